@@ -1,0 +1,266 @@
+"""Keep the KV cache exact for length-dependent RoPE methods.
+
+A full forward pass over ``N`` tokens computes every token's keys and values with the
+frequencies of length ``N``. During generation the cache holds states computed when the
+sequence was shorter, under other frequencies. transformers' ``dynamic`` type ignores this
+(transformers issue 25104): cached keys keep stale rotations, so generation differs from a full
+forward. Re-rotating the cached keys is not enough either: from the second layer on, the cached
+keys and values are outputs of attention that ran with the old frequencies.
+
+The exact fix: when the frequencies change, recompute the cached states over the whole sequence
+with the new frequencies (a prefill of the tokens seen so far). Frequencies change only when the
+rounded length (``steps_per_doubling`` steps per doubling) does, so this happens a few times per
+doubling of the length; between those points the cache is reused as usual and every step's
+logits equal those of a full forward over the same tokens.
+
+Mechanism: two forward hooks on the module that calls the rotary embedding (the base model).
+The pre-hook keeps a log of the inputs and position ids written to each cache (on the cache
+object) and, when the frequencies change, empties the cache and hands the whole logged sequence
+to the forward; the post-hook cuts the outputs back to the tokens of the call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import compat
+from .rotary import ExtendedRotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+LOG_ATTRIBUTE = "_hf_rope_ext_inputs"
+
+
+@dataclass
+class InputLog:
+    """Everything written to one cache, so its states can be recomputed. Lives on the cache."""
+
+    owner: int  # id() of the guard that wrote it
+    inputs: torch.Tensor  # (batch, n) token ids or (batch, n, hidden) input embeddings
+    positions: torch.Tensor  # (batch or 1, n) position ids
+    effective_length: int | None  # rounded length whose frequencies the cached states carry
+
+    @property
+    def length(self) -> int:
+        return int(self.positions.max()) + 1
+
+
+@dataclass
+class _Call:
+    cache: Any
+    inputs: torch.Tensor
+    positions: torch.Tensor
+    new_tokens: int
+    recomputed: bool
+
+
+def _broadcast_cat(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Concatenate along the sequence axis; a batch of 1 broadcasts (position ids often do)."""
+    if old.shape[0] != new.shape[0]:
+        batch = max(old.shape[0], new.shape[0])
+        old = old.expand(batch, *old.shape[1:])
+        new = new.expand(batch, *new.shape[1:])
+    return torch.cat([old, new.to(old.device)], dim=1)
+
+
+class CacheGuard:
+    """The pair of hooks that keeps caches exact for one patched rotary module."""
+
+    def __init__(self, caller: nn.Module, rotary: ExtendedRotaryEmbedding):
+        self.caller = caller
+        self.rotary = rotary
+        self.signature = inspect.signature(caller.forward)
+        needed = {"input_ids", "inputs_embeds", "position_ids", "past_key_values"}
+        missing = needed - set(self.signature.parameters)
+        if missing:
+            raise ValueError(
+                f"{type(caller).__name__}.forward lacks {sorted(missing)}; length-dependent methods need them to keep "
+                "the KV cache exact. Use a static method (linear, ntk, yarn, llama3)."
+            )
+        self._call: _Call | None = None
+        self.handles = [
+            caller.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            caller.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        bound = self.signature.bind_partial(*args, **kwargs)
+        arguments = {}
+        for name, value in bound.arguments.items():
+            if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(value)
+            else:
+                arguments[name] = value
+        return arguments
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        self._call = None
+        arguments = self._arguments(args, kwargs)
+        cache = arguments.get("past_key_values")
+        inputs = arguments.get("input_ids")
+        if inputs is None:
+            inputs = arguments.get("inputs_embeds")
+        if inputs is None:
+            return None
+        new_tokens = inputs.shape[1]
+        past = cache.get_seq_length() if compat.is_cache(cache) else 0
+        positions = arguments.get("position_ids")
+        if positions is None:
+            positions = torch.arange(past, past + new_tokens, device=inputs.device)[None]
+        if positions.dim() != 2:
+            raise ValueError(
+                f"Length-dependent RoPE methods need 2-D position_ids (batch, seq); got shape {tuple(positions.shape)}."
+            )
+        log = self._log_of(cache) if compat.is_cache(cache) else None
+        if log is None:
+            if past > 0:
+                raise RuntimeError(
+                    f"The KV cache passed to the model already holds {past} tokens that were not written under the "
+                    f"current '{self.rotary.method.name}' patch (filled before patching, or by another patch), so "
+                    "their states carry other frequencies. Start from a fresh cache (past_key_values=None)."
+                )
+            self._call = _Call(cache, inputs, positions, new_tokens, recomputed=False)
+            return None
+
+        self._sync_with_cache(log, cache)
+        length = max(log.length, int(positions.max()) + 1)
+        if self.rotary.effective_length(length) == log.effective_length:
+            self._call = _Call(cache, inputs, positions, new_tokens, recomputed=False)
+            return None
+
+        # The frequencies change: recompute the cached states of the whole sequence with them.
+        all_inputs = self._join_inputs(log, inputs, is_embeddings=arguments.get("input_ids") is None)
+        all_positions = _broadcast_cat(log.positions, positions)
+        mask = arguments.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != all_positions.shape[-1]:
+            raise ValueError(
+                f"attention_mask covers {mask.shape[-1]} tokens but the sequence has {all_positions.shape[-1]}; pass the "
+                "mask of the whole sequence (as generate does) when using a cache."
+            )
+        logger.debug(
+            "RoPE frequencies change at length %d: recomputing the states of %d cached tokens.",
+            length,
+            all_positions.shape[-1] - new_tokens,
+        )
+        cache.reset()
+        is_embeddings = all_inputs.dim() == 3
+        arguments["input_ids"] = None if is_embeddings else all_inputs
+        arguments["inputs_embeds"] = all_inputs if is_embeddings else None
+        arguments["position_ids"] = all_positions
+        arguments["past_key_values"] = cache
+        setattr(cache, LOG_ATTRIBUTE, None)
+        self._call = _Call(cache, all_inputs, all_positions, new_tokens, recomputed=True)
+        return (), arguments
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        call, self._call = self._call, None
+        if call is None:
+            return None
+        cache = call.cache if compat.is_cache(call.cache) else getattr(output, "past_key_values", None)
+        if compat.is_cache(cache):
+            self._record(cache, call)
+        if call.recomputed:
+            return self._keep_last(output, call.new_tokens)
+        return None
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _log_of(self, cache: Any) -> InputLog | None:
+        log = getattr(cache, LOG_ATTRIBUTE, None)
+        return log if log is not None and log.owner == id(self) else None
+
+    def _record(self, cache: Any, call: _Call) -> None:
+        log = self._log_of(cache)
+        if log is None or call.recomputed:
+            inputs, positions = call.inputs, call.positions
+        else:
+            inputs = self._join_inputs(log, call.inputs, is_embeddings=call.inputs.dim() == 3)
+            positions = _broadcast_cat(log.positions, call.positions)
+        effective = self.rotary.effective_length(int(positions.max()) + 1)
+        setattr(cache, LOG_ATTRIBUTE, InputLog(id(self), inputs, positions, effective))
+        _track_batch_changes(cache)
+
+    def _join_inputs(self, log: InputLog, inputs: torch.Tensor, is_embeddings: bool) -> torch.Tensor:
+        old = log.inputs
+        if old.dim() == 3 and not is_embeddings:  # ids after embeddings: embed the new ids too
+            inputs = self.caller.get_input_embeddings()(inputs)
+        elif old.dim() == 2 and is_embeddings:
+            old = self.caller.get_input_embeddings()(old.to(inputs.device))
+        return _broadcast_cat(old, inputs)
+
+    @staticmethod
+    def _sync_with_cache(log: InputLog, cache: Any) -> None:
+        written = log.inputs.shape[1]
+        cached = cache.get_seq_length()
+        if cached < written:  # `cache.crop(...)` removed tokens from the end (assisted decoding)
+            log.inputs = log.inputs[:, :cached]
+            log.positions = log.positions[:, :cached]
+        elif cached > written:
+            raise RuntimeError(
+                f"The KV cache holds {cached} tokens but only {written} were written through the patched model; "
+                "it was modified outside the model. Start from a fresh cache."
+            )
+
+    @staticmethod
+    def _keep_last(output: Any, new_tokens: int) -> Any:
+        """Cut a recomputed forward's outputs back to the tokens the caller passed."""
+        if hasattr(output, "last_hidden_state"):
+            output.last_hidden_state = output.last_hidden_state[:, -new_tokens:]
+            if getattr(output, "hidden_states", None) is not None:
+                output.hidden_states = tuple(state[:, -new_tokens:] for state in output.hidden_states)
+            if getattr(output, "attentions", None) is not None:
+                output.attentions = tuple(weights[:, :, -new_tokens:] for weights in output.attentions)
+            return output
+        if isinstance(output, tuple):
+            return (output[0][:, -new_tokens:],) + output[1:]
+        raise TypeError(f"Unexpected output type {type(output).__name__} from the patched model.")
+
+
+def _track_batch_changes(cache: Any) -> None:
+    """Make the cache's batch operations (beam search, contrastive search) apply to its log too.
+
+    Sets instance attributes on this cache object only; the cache class is untouched.
+    """
+    if getattr(cache, "_hf_rope_ext_tracked", False):
+        return
+
+    def follow(operation: str, apply_to_rows):
+        original = getattr(cache, operation)
+
+        def wrapped(*args, **kwargs):
+            result = original(*args, **kwargs)
+            log = getattr(cache, LOG_ATTRIBUTE, None)
+            if log is not None:
+                log.inputs = apply_to_rows(log.inputs, *args, **kwargs)
+                if log.positions.shape[0] > 1:  # a batch of 1 broadcasts over any batch
+                    log.positions = apply_to_rows(log.positions, *args, **kwargs)
+            return result
+
+        setattr(cache, operation, wrapped)
+
+    def reorder(tensor, beam_idx):
+        return tensor.index_select(0, beam_idx.to(tensor.device))
+
+    def repeat(tensor, repeats):
+        return tensor.repeat_interleave(repeats, dim=0)
+
+    def select(tensor, indices):
+        return tensor[indices.to(tensor.device) if isinstance(indices, torch.Tensor) else indices]
+
+    follow("reorder_cache", reorder)
+    follow("batch_repeat_interleave", repeat)
+    follow("batch_select_indices", select)
+    cache._hf_rope_ext_tracked = True

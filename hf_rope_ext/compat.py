@@ -1,0 +1,147 @@
+"""Everything that depends on the transformers version, in one place.
+
+Tested with transformers 5.x, where all RoPE settings live in ``config.rope_parameters`` and the
+KV cache is a ``Cache`` holding one layer object per decoder layer (``cache.layers[i].keys``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+import transformers
+from packaging import version
+
+logger = logging.getLogger(__name__)
+
+TRANSFORMERS_VERSION = version.parse(transformers.__version__)
+MIN_TRANSFORMERS = version.parse("5.0.0")
+
+try:
+    from transformers.cache_utils import (
+        Cache,
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        StaticLayer,
+        StaticSlidingWindowLayer,
+    )
+except ImportError as error:  # pragma: no cover - only on unsupported versions
+    raise ImportError(
+        f"hf_rope_ext needs transformers >= {MIN_TRANSFORMERS} (found {transformers.__version__}): "
+        "pip install -U 'transformers>=5,<6'"
+    ) from error
+
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402  (the registry transformers reads)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's flat RoPE parameter dict (the live object, not a copy).
+
+    Raises ``ValueError`` for configs with per-layer-type RoPE (nested dicts), which this
+    package does not support.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        raise ValueError(
+            f"model_type {getattr(config, 'model_type', '?')!r}: config has no `rope_parameters`; "
+            "is this a RoPE model?"
+        )
+    nested = config.nested_rope_parameter_keys(params) if hasattr(config, "nested_rope_parameter_keys") else []
+    if nested:
+        raise ValueError(
+            f"model_type {config.model_type!r} uses different RoPE settings per layer type ({nested}); "
+            "hf_rope_ext supports one RoPE for all layers (Llama, Mistral, Qwen2, Qwen3 and alike)."
+        )
+    return params
+
+
+def snapshot_config(config: Any, extra_attributes: tuple[str, ...]) -> dict[str, Any]:
+    """Deep copies of the config fields a patch changes, to restore them exactly."""
+    saved = {"rope_parameters": copy.deepcopy(config.rope_parameters)}
+    saved["max_position_embeddings"] = config.max_position_embeddings
+    for name in extra_attributes:
+        saved[name] = copy.deepcopy(getattr(config, name)) if hasattr(config, name) else _MISSING
+    return saved
+
+
+def restore_config(config: Any, saved: dict[str, Any]) -> None:
+    """Undo :func:`write_rope_config`, in place (the rotary module shares this config object)."""
+    live = config.rope_parameters
+    live.clear()
+    live.update(copy.deepcopy(saved["rope_parameters"]))
+    try:
+        config.max_position_embeddings = saved["max_position_embeddings"]
+    except Exception:  # strict validation may refuse a value the config held before (None)
+        object.__setattr__(config, "max_position_embeddings", saved["max_position_embeddings"])
+    for name, value in saved.items():
+        if name in ("rope_parameters", "max_position_embeddings"):
+            continue
+        if value is _MISSING:
+            if name in config.__dict__:
+                delattr(config, name)
+        else:
+            setattr(config, name, copy.deepcopy(value))
+
+
+def write_rope_config(config: Any, new_parameters: dict[str, Any], max_position_embeddings: int) -> None:
+    """Replace the RoPE parameters in place and check them the way transformers does.
+
+    The dict is mutated, never reassigned: assigning a fresh dict to ``config.rope_parameters``
+    loses keys that transformers filled in at load time (``rope_theta``).
+    """
+    live = config.rope_parameters
+    live.clear()
+    live.update(new_parameters)
+    config.max_position_embeddings = int(max_position_embeddings)
+    if not new_parameters["rope_type"].startswith("hf_rope_ext."):  # transformers has no validator for ours
+        config.standardize_rope_params()
+        config.validate_rope()
+
+
+_MISSING = object()
+
+
+def is_cache(obj: Any) -> bool:
+    return isinstance(obj, Cache)
+
+
+def cache_layers(cache: Any) -> list[Any]:
+    """The per-layer cache objects that hold rotated keys."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(
+            f"{type(cache).__name__} has no per-layer `layers`; hf_rope_ext re-rotates keys of transformers' "
+            "DynamicCache and StaticCache only."
+        )
+    return list(layers)
+
+
+def layer_slot_positions(layer: Any, positions: torch.Tensor) -> tuple[torch.Tensor, slice] | None:
+    """Map the position log of a cache onto one layer's key slots.
+
+    ``positions`` is ``(batch, n_written)``: the position id of every token written so far, in
+    writing order. Returns ``(slot_positions, slot_range)`` for the slots holding keys, or None
+    if the layer is empty.
+    """
+    keys = getattr(layer, "keys", None)
+    if keys is None or keys.numel() == 0 or not getattr(layer, "is_initialized", True):
+        return None
+    n_written = positions.shape[-1]
+    n_slots = keys.shape[-2]
+    if isinstance(layer, StaticSlidingWindowLayer):
+        raise TypeError(
+            "Length-dependent RoPE methods cannot re-rotate a static sliding-window cache (a ring buffer); "
+            "use the default dynamic cache or a static method (linear, ntk, yarn, llama3)."
+        )
+    if isinstance(layer, DynamicSlidingWindowLayer):  # keeps the most recent tokens
+        return positions[:, n_written - n_slots :], slice(0, n_slots)
+    if isinstance(layer, StaticLayer):  # preallocated; slots are filled in writing order
+        return positions, slice(0, n_written)
+    if type(layer) is DynamicLayer:  # noqa: E721 - subclasses (quantized, indexed) store keys differently
+        return positions[:, :n_slots], slice(0, n_slots)  # `crop` removes tokens from the end
+    raise TypeError(
+        f"Length-dependent RoPE methods cannot re-rotate keys held by {type(layer).__name__}; "
+        "use DynamicCache or StaticCache, or a static method (linear, ntk, yarn, llama3)."
+    )

@@ -1,0 +1,55 @@
+"""Per-architecture facts, keyed by ``config.model_type``.
+
+Patching never depends on this table: the rotary module is found by structure (a module with an
+``inv_freq`` buffer whose output is ``cat(freqs, freqs)``) and checked numerically. The table
+only says which families are tested, and gives the reason when a known family cannot work, so
+the error names the model type and the cause.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FamilyInfo:
+    uses_rope: bool
+    supported: bool
+    tested: bool = False
+    note: str = ""
+
+
+FAMILIES: dict[str, FamilyInfo] = {
+    # Tested in tests/ on tiny random models: one `model.rotary_emb`, rotate-half layout,
+    # keys cached after rotation.
+    "llama": FamilyInfo(True, True, tested=True, note="one rotary module for all layers"),
+    "mistral": FamilyInfo(True, True, tested=True, note="sliding-window layers share the same cos/sin"),
+    "qwen2": FamilyInfo(True, True, tested=True, note="optional sliding window on some layers"),
+    "qwen3": FamilyInfo(True, True, tested=True, note="q/k RMSNorm before RoPE; does not change RoPE itself"),
+    "granite": FamilyInfo(True, True, tested=True, note="Llama layout with extra multipliers"),
+    "olmo2": FamilyInfo(True, True, tested=True, note="q/k norm before RoPE"),
+    "phi3": FamilyInfo(True, True, tested=True, note="fused qkv projection; same rotary module"),
+    "stablelm": FamilyInfo(True, True, tested=True, note="partial rotary dimension"),
+    # Known not to fit.
+    "gpt2": FamilyInfo(False, False, note="learned absolute position embeddings, no RoPE"),
+    "gpt_neo": FamilyInfo(False, False, note="learned absolute position embeddings, no RoPE"),
+    "opt": FamilyInfo(False, False, note="learned absolute position embeddings, no RoPE"),
+    "bert": FamilyInfo(False, False, note="absolute position embeddings, no RoPE"),
+    "t5": FamilyInfo(False, False, note="relative position bias, no RoPE"),
+    "bloom": FamilyInfo(False, False, note="ALiBi attention biases, no RoPE"),
+    "mpt": FamilyInfo(False, False, note="ALiBi attention biases, no RoPE"),
+    "gptj": FamilyInfo(True, False, note="RoPE computed inside attention on interleaved pairs"),
+    "codegen": FamilyInfo(True, False, note="RoPE computed inside attention on interleaved pairs"),
+    "cohere": FamilyInfo(True, False, note="interleaved (repeat_interleave) cos/sin layout"),
+    "gemma3": FamilyInfo(True, False, note="separate RoPE settings for local and global layers"),
+    "qwen2_vl": FamilyInfo(True, False, note="multimodal 3-D RoPE (mrope)"),
+    "qwen2_5_vl": FamilyInfo(True, False, note="multimodal 3-D RoPE (mrope)"),
+}
+
+
+def family_info(model_type: str | None) -> FamilyInfo | None:
+    return FAMILIES.get(model_type or "")
+
+
+def tested_families() -> list[str]:
+    return [name for name, info in FAMILIES.items() if info.tested]

@@ -1,0 +1,516 @@
+"""RoPE scaling methods: one pure frequency function per method, kept in a registry.
+
+Every method is a function with the same signature::
+
+    compute(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None)
+        -> tuple[torch.Tensor, float]
+
+returning the inverse frequencies ``inv_freq`` (float64, shape ``(rotary_dim // 2,)``) and the
+attention factor that multiplies both cos and sin (so attention logits scale by its square).
+``params`` always holds ``factor`` (the scale ``s``) and ``original_max_position_embeddings``
+(``L0``, the context the model was trained on), plus the method's own parameters with their
+defaults filled in. ``seq_len`` is the current sequence length; only length-dependent
+("dynamic") methods read it.
+
+Notation in the docstrings: ``d`` is the rotary dimension, ``b`` the base (``rope_theta``),
+``theta_i = b ** (-2i / d)`` for ``i = 0 .. d/2 - 1`` the original inverse frequencies,
+``lambda_i = 2 * pi / theta_i`` their wavelengths, ``s`` the scale, ``L0`` the original context
+and ``L`` the current length.
+
+Frequencies are computed in float64 here; the rotary module casts them once, to float32.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "RopeMethod",
+    "get_method",
+    "list_methods",
+    "register_method",
+    "unregister_method",
+    "default_inv_freq",
+]
+
+ComputeFn = Callable[[int, float, Mapping[str, Any], "int | None"], "tuple[torch.Tensor, float]"]
+
+# Keys every method receives; users pass them through `scale=` / `max_length=` / `original_max_length=`.
+COMMON_PARAMS = ("factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class RopeMethod:
+    """A registered RoPE scaling method.
+
+    Attributes:
+        name: registry key, used as ``patch_model(..., method=name)``.
+        compute: the pure frequency function (see module docstring).
+        defaults: the method's own parameters and their defaults. A default of ``None`` means
+            "derived from the other parameters"; :data:`REQUIRED` means the user must give it.
+        length_dependent: the frequencies depend on the current length (dynamic methods). Such
+            methods keep the KV cache consistent by re-rotating cached keys when the frequencies
+            change.
+        transformers_rope_type: the ``rope_type`` transformers implements natively with the same
+            frequencies, or ``None``. ``"default"`` means "plain RoPE with another ``rope_theta``".
+        summary: one line for ``list_methods()`` and the README table.
+        validate: optional check of the resolved parameters; raises ``ValueError``.
+    """
+
+    name: str
+    compute: ComputeFn
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    length_dependent: bool = False
+    transformers_rope_type: str | None = None
+    summary: str = ""
+    validate: Callable[[int, Mapping[str, Any]], None] | None = None
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+REQUIRED: Any = _Required()
+
+_REGISTRY: dict[str, RopeMethod] = {}
+_BUILTIN: set[str] = set()
+
+
+def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    """Plain RoPE (Su et al. 2021, arXiv 2104.09864): ``theta_i = b ** (-2i / d)``, in float64."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    # sqrt(1/t) = 0.1 * ln(s) + 1 (YaRN paper, eq. 22); 1 when nothing is interpolated.
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(rotary_dim: int, base: float, scale: float, params: Mapping[str, Any]) -> torch.Tensor:
+    """NTK-by-parts frequencies (shared by ``yarn`` and ``dynamic-yarn``)."""
+    theta = default_inv_freq(rotary_dim, base)
+    if scale <= 1:
+        return theta
+    original_length = params["original_max_position_embeddings"]
+
+    def dim_for_rotations(rotations: float) -> float:
+        # Dimension index whose wavelength fits `rotations` times into L0:
+        # L0 / lambda_i = rotations  <=>  i = d * ln(L0 / (2 pi r)) / (2 ln b).
+        return rotary_dim * math.log(original_length / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = dim_for_rotations(params["beta_fast"])
+    high = dim_for_rotations(params["beta_slow"])
+    if params["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    index = torch.arange(rotary_dim // 2, dtype=torch.float64)
+    ramp = ((index - low) / (high - low)).clamp(0, 1)  # 0: keep theta_i, 1: interpolate theta_i / s
+    return theta * (1 - ramp) + (theta / scale) * ramp
+
+
+# ----------------------------------------------------------------------------------------------
+# The methods
+# ----------------------------------------------------------------------------------------------
+
+
+def linear_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """Linear scaling, Position Interpolation (Chen et al. 2023, arXiv 2306.15595; kaiokendev).
+
+    Positions are divided by the scale: position ``m`` at scale ``s`` is rotated exactly as the
+    original model rotates position ``m / s``. Scaling the positions is the same as scaling the
+    frequencies, since the angle is ``m * theta_i``:
+
+        theta'_i = theta_i / s,    attention factor 1.
+
+    Needs fine-tuning to work well (about 200 steps in the paper); without it, perplexity rises
+    inside the original context too, because nearby tokens are squeezed together.
+    """
+    return default_inv_freq(rotary_dim, base) / params["factor"], 1.0
+
+
+def ntk_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """Static NTK-aware scaling (bloc97, 2023; analysed in the YaRN paper, arXiv 2309.00071, sec. 3.1).
+
+    Raise the base so that the lowest frequency is interpolated by ``s`` while the highest stays
+    almost untouched (high frequencies extrapolate, low ones interpolate):
+
+        b' = b * s ** (d / (d - 2)),    theta'_i = b' ** (-2i / d),    attention factor 1.
+
+    This is plain RoPE with a larger ``rope_theta``, so every runtime can load it.
+    """
+    scaled_base = base * params["factor"] ** (rotary_dim / (rotary_dim - 2))
+    return default_inv_freq(rotary_dim, scaled_base), 1.0
+
+
+def _effective_length(params: Mapping[str, Any], seq_len: int | None) -> int:
+    original_length = params["original_max_position_embeddings"]
+    return original_length if seq_len is None else max(int(seq_len), original_length)
+
+
+def dynamic_ntk_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """Dynamic NTK scaling (emozilla, 2023; YaRN paper, arXiv 2309.00071, sec. 3.3).
+
+    NTK-aware scaling whose scale follows the current length ``L``; inside the original context
+    the model is unchanged. With ``s`` the configured scale (the same formula as transformers'
+    ``dynamic`` type):
+
+        b'(L) = b * (s * L / L0 - (s - 1)) ** (d / (d - 2))    for L > L0,   b'(L) = b otherwise.
+
+    The effective scale ``s * L / L0 - (s - 1)`` is 1 at ``L = L0`` and grows by ``s`` per
+    further ``L0`` tokens: at ``L = s * L0`` it is ``s**2 - s + 1``, more than ``s``. This is the
+    original formula (and transformers' and vLLM's); ``dynamic-yarn`` uses ``L / L0`` instead.
+    """
+    length = _effective_length(params, seq_len)
+    original_length = params["original_max_position_embeddings"]
+    if length <= original_length:
+        return default_inv_freq(rotary_dim, base), 1.0
+    factor = params["factor"]
+    effective_scale = factor * length / original_length - (factor - 1)
+    return default_inv_freq(rotary_dim, base * effective_scale ** (rotary_dim / (rotary_dim - 2))), 1.0
+
+
+def yarn_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """YaRN: NTK-by-parts interpolation plus attention temperature (Peng et al., ICLR 2024, arXiv 2309.00071).
+
+    Each dimension is treated by how many full turns its wavelength makes inside ``L0``,
+    ``r_i = L0 / lambda_i``. Dimensions that turn more than ``beta_fast`` times are left alone
+    (extrapolated), those turning less than ``beta_slow`` times are interpolated by ``s``, and a
+    linear ramp blends the two in between:
+
+        gamma_i = clamp((i - i_fast) / (i_slow - i_fast), 0, 1),
+        theta'_i = (1 - gamma_i) * theta_i + gamma_i * theta_i / s,
+        i_r = d * ln(L0 / (2 pi r)) / (2 ln b)   (the dimension that turns r times in L0).
+
+    The softmax temperature ``sqrt(1/t) = 0.1 ln(s) + 1`` (eq. 22) is folded into cos and sin as
+    the attention factor, unless ``attention_factor`` is given. Defaults ``beta_fast=32``,
+    ``beta_slow=1`` and floor/ceil rounding of ``i_fast``/``i_slow`` follow the paper's code and
+    transformers' ``yarn`` type.
+    """
+    factor = params["factor"]
+    attention_factor = params["attention_factor"]
+    if attention_factor is None:
+        attention_factor = _yarn_mscale(factor)
+    return _yarn_inv_freq(rotary_dim, base, factor, params), float(attention_factor)
+
+
+def dynamic_yarn_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """Dynamic YaRN (YaRN paper, arXiv 2309.00071, sec. 3.3 and 3.4).
+
+    YaRN whose scale follows the current length: ``s(L) = max(1, L / L0)``; the temperature
+    follows too, ``sqrt(1/t) = 0.1 ln s(L) + 1``. Inside the original context the model is
+    exactly the original one, and at ``L`` beyond it the model sees the least interpolation that
+    still covers ``L``. The configured scale only sets the advertised context length.
+    """
+    length = _effective_length(params, seq_len)
+    scale = length / params["original_max_position_embeddings"]
+    if scale <= 1:
+        return default_inv_freq(rotary_dim, base), 1.0
+    attention_factor = params["attention_factor"]
+    if attention_factor is None:
+        attention_factor = _yarn_mscale(scale)
+    return _yarn_inv_freq(rotary_dim, base, scale, params), float(attention_factor)
+
+
+def dynamic_linear_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """Dynamic linear interpolation (emozilla, 2023).
+
+    Position Interpolation whose scale follows the current length, ``s(L) = max(1, L / L0)``:
+
+        theta'_i = theta_i / s(L).
+
+    Unchanged inside the original context; at ``L = s * L0`` it equals ``linear`` at scale ``s``.
+    """
+    length = _effective_length(params, seq_len)
+    scale = length / params["original_max_position_embeddings"]
+    return default_inv_freq(rotary_dim, base) / max(scale, 1.0), 1.0
+
+
+def llama3_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """Llama 3.1 frequency-band interpolation (Meta, "The Llama 3 Herd of Models", arXiv 2407.21783).
+
+    Wavelengths shorter than ``L0 / high_freq_factor`` are kept, those longer than
+    ``L0 / low_freq_factor`` are interpolated by ``s``, and the band between is blended by a
+    smooth factor linear in ``L0 / lambda_i``:
+
+        theta'_i = theta_i                              if lambda_i < L0 / high_freq_factor
+        theta'_i = theta_i / s                          if lambda_i > L0 / low_freq_factor
+        theta'_i = (1 - a_i) theta_i / s + a_i theta_i  otherwise,
+        a_i = (L0 / lambda_i - low_freq_factor) / (high_freq_factor - low_freq_factor).
+
+    Defaults ``low_freq_factor=1``, ``high_freq_factor=4`` are those of Llama 3.1.
+    """
+    theta = default_inv_freq(rotary_dim, base)
+    factor = params["factor"]
+    original_length = params["original_max_position_embeddings"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    wavelength = 2 * math.pi / theta
+    smooth = ((original_length / wavelength - low) / (high - low)).clamp(0, 1)
+    return (1 - smooth) * theta / factor + smooth * theta, 1.0
+
+
+def longrope_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """LongRoPE with given per-dimension factors (Ding et al. 2024, arXiv 2402.13753; Phi-3).
+
+    Each frequency is divided by its own factor, searched offline (the search is not part of
+    this function): ``long_factor`` beyond the original context, ``short_factor`` inside it:
+
+        theta'_i = theta_i / lambda_i^long    if L > L0,   theta_i / lambda_i^short otherwise,
+        attention factor = sqrt(1 + ln(s) / ln(L0))   unless ``attention_factor`` is given.
+
+    ``short_factor`` defaults to all ones (the original model inside its context).
+    """
+    original_length = params["original_max_position_embeddings"]
+    half = rotary_dim // 2
+    short_factor = params["short_factor"] if params["short_factor"] is not None else [1.0] * half
+    use_long = seq_len is not None and int(seq_len) > original_length
+    factors = torch.tensor(params["long_factor"] if use_long else short_factor, dtype=torch.float64)
+    attention_factor = params["attention_factor"]
+    if attention_factor is None:
+        factor = params["factor"]
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original_length))
+    return default_inv_freq(rotary_dim, base) / factors, float(attention_factor)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_betas(rotary_dim: int, params: Mapping[str, Any]) -> None:
+    if not params["beta_fast"] > params["beta_slow"] > 0:
+        raise ValueError(
+            f"YaRN needs beta_fast > beta_slow > 0, got beta_fast={params['beta_fast']}, "
+            f"beta_slow={params['beta_slow']}; the paper's values are beta_fast=32, beta_slow=1."
+        )
+    _check_optional_positive("attention_factor", params["attention_factor"])
+
+
+def _check_llama3(rotary_dim: int, params: Mapping[str, Any]) -> None:
+    if not params["high_freq_factor"] > params["low_freq_factor"] > 0:
+        raise ValueError(
+            f"llama3 needs high_freq_factor > low_freq_factor > 0, got high_freq_factor="
+            f"{params['high_freq_factor']}, low_freq_factor={params['low_freq_factor']} (Llama 3.1 uses 4 and 1)."
+        )
+
+
+def _check_longrope(rotary_dim: int, params: Mapping[str, Any]) -> None:
+    half = rotary_dim // 2
+    for key in ("long_factor", "short_factor"):
+        values = params[key]
+        if values is None and key == "short_factor":
+            continue
+        if isinstance(values, torch.Tensor):
+            values = values.tolist()
+        if not isinstance(values, (list, tuple)) or len(values) != half:
+            raise ValueError(
+                f"longrope's {key} must be a list of {half} numbers (rotary dimension {rotary_dim} / 2), "
+                f"got {type(values).__name__} of length {len(values) if hasattr(values, '__len__') else 'n/a'}."
+            )
+        if not all(_is_real(v) and math.isfinite(v) and v > 0 for v in values):
+            raise ValueError(f"longrope's {key} must hold finite numbers > 0.")
+    _check_optional_positive("attention_factor", params["attention_factor"])
+
+
+def _first_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _check_optional_positive(name: str, value: Any) -> None:
+    if value is not None and not (_is_real(value) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0 or None (derived), got {value!r}.")
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry
+# ----------------------------------------------------------------------------------------------
+
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "truncate": True}
+
+
+def register_method(
+    name: str,
+    compute: ComputeFn,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    length_dependent: bool = False,
+    summary: str = "",
+    validate: Callable[[int, Mapping[str, Any]], None] | None = None,
+    transformers_rope_type: str | None = None,
+) -> RopeMethod:
+    """Register a user-defined RoPE scaling method under ``name``.
+
+    ``compute(rotary_dim, base, params, seq_len) -> (inv_freq, attention_factor)`` must be a pure
+    function; ``params`` holds ``factor``, ``original_max_position_embeddings`` and the keys of
+    ``defaults``. Set ``length_dependent=True`` if it reads ``seq_len``; the patched model then
+    recomputes frequencies as the input grows and keeps the KV cache consistent.
+
+    Raises ``ValueError`` if the name is taken (call :func:`unregister_method` first to replace
+    a user method; built-in methods cannot be replaced).
+    """
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise ValueError(f"Method name must be a non-empty string without surrounding spaces, got {name!r}.")
+    if name in _REGISTRY:
+        kind = "a built-in method" if name in _BUILTIN else "already registered"
+        raise ValueError(f"RoPE method {name!r} is {kind}; choose another name or call unregister_method({name!r}).")
+    if not callable(compute):
+        raise TypeError(f"compute must be callable, got {type(compute).__name__}.")
+    defaults = dict(defaults or {})
+    clash = set(defaults) & set(COMMON_PARAMS)
+    if clash:
+        raise ValueError(f"defaults must not contain {sorted(clash)}: these are set from scale/max_length.")
+    method = RopeMethod(
+        name=name,
+        compute=compute,
+        defaults=defaults,
+        length_dependent=length_dependent,
+        transformers_rope_type=transformers_rope_type,
+        summary=summary or _first_line(compute.__doc__),
+        validate=validate,
+    )
+    _REGISTRY[name] = method
+    return method
+
+
+def unregister_method(name: str) -> None:
+    """Remove a user-registered method. Built-in methods cannot be removed."""
+    if name in _BUILTIN:
+        raise ValueError(f"{name!r} is a built-in method and cannot be removed.")
+    if name not in _REGISTRY:
+        raise ValueError(f"No user-registered RoPE method named {name!r}; registered: {sorted(_REGISTRY)}.")
+    del _REGISTRY[name]
+
+
+def list_methods() -> dict[str, str]:
+    """All registered methods, name -> one-line summary, built-in ones first."""
+    builtin = {name: _REGISTRY[name].summary for name in _REGISTRY if name in _BUILTIN}
+    user = {name: _REGISTRY[name].summary for name in _REGISTRY if name not in _BUILTIN}
+    return {**builtin, **user}
+
+
+def get_method(name: str) -> RopeMethod:
+    """Look up a method; an unknown name raises ``ValueError`` listing the valid ones."""
+    if not isinstance(name, str):
+        raise TypeError(f"method must be a string, got {type(name).__name__}; valid methods: {sorted(_REGISTRY)}.")
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"Unknown RoPE method {name!r}.{hint} Valid methods: {', '.join(_REGISTRY)}.") from None
+
+
+def resolve_params(method: RopeMethod, rotary_dim: int, user_params: Mapping[str, Any]) -> dict[str, Any]:
+    """Fill in defaults, reject unknown or misspelled keys and bad values; returns a new dict."""
+    unknown = [key for key in user_params if key not in method.defaults]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, list(method.defaults) + list(_PATCH_KEYWORDS), n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        valid = ", ".join(method.defaults) or "none"
+        raise ValueError(
+            f"Unknown parameter(s) for method {method.name!r}: {', '.join(hints)}. "
+            f"Parameters this method accepts: {valid}."
+        )
+    params = dict(method.defaults)
+    params.update(user_params)
+    missing = [key for key, value in params.items() if value is REQUIRED]
+    if missing:
+        raise ValueError(f"Method {method.name!r} needs parameter(s) {missing}; pass them to patch_model.")
+    for key, default in method.defaults.items():
+        value = params[key]
+        if _is_real(default) and not (_is_real(value) and math.isfinite(value)):
+            raise TypeError(f"Parameter {key!r} of method {method.name!r} must be a finite number, got {value!r}.")
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise TypeError(f"Parameter {key!r} of method {method.name!r} must be True or False, got {value!r}.")
+    if method.validate is not None:
+        method.validate(rotary_dim, params)
+    return params
+
+
+# Keyword arguments of patch_model, for "did you mean" hints on misspelled parameters.
+_PATCH_KEYWORDS = ("scale", "max_length", "original_max_length", "method", "steps_per_doubling")
+
+
+def _register_builtin(method: RopeMethod) -> None:
+    _REGISTRY[method.name] = method
+    _BUILTIN.add(method.name)
+
+
+for _method in (
+    RopeMethod(
+        "linear",
+        linear_inv_freq,
+        transformers_rope_type="linear",
+        summary="Position Interpolation: theta_i / s. Best after fine-tuning; costs perplexity without it.",
+    ),
+    RopeMethod(
+        "ntk",
+        ntk_inv_freq,
+        transformers_rope_type="default",
+        summary="Static NTK-aware: rope_theta * s^(d/(d-2)). Plain RoPE with a larger base; loads anywhere.",
+    ),
+    RopeMethod(
+        "dynamic",
+        dynamic_ntk_inv_freq,
+        length_dependent=True,
+        transformers_rope_type="dynamic",
+        summary="Dynamic NTK: base grows with the current length; unchanged inside the original context.",
+    ),
+    RopeMethod(
+        "yarn",
+        yarn_inv_freq,
+        defaults=_YARN_DEFAULTS,
+        transformers_rope_type="yarn",
+        summary="YaRN: NTK-by-parts ramp plus attention temperature 0.1 ln(s) + 1.",
+        validate=_check_betas,
+    ),
+    RopeMethod(
+        "dynamic-yarn",
+        dynamic_yarn_inv_freq,
+        defaults=_YARN_DEFAULTS,
+        length_dependent=True,
+        summary="YaRN with scale max(1, L/L0) following the current length; exact original inside L0.",
+        validate=_check_betas,
+    ),
+    RopeMethod(
+        "dynamic-linear",
+        dynamic_linear_inv_freq,
+        length_dependent=True,
+        summary="Position Interpolation with scale max(1, L/L0) following the current length.",
+    ),
+    RopeMethod(
+        "llama3",
+        llama3_inv_freq,
+        defaults={"low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        transformers_rope_type="llama3",
+        summary="Llama 3.1 band interpolation: short wavelengths kept, long ones / s, smooth between.",
+        validate=_check_llama3,
+    ),
+    RopeMethod(
+        "longrope",
+        longrope_inv_freq,
+        defaults={"long_factor": REQUIRED, "short_factor": None, "attention_factor": None},
+        length_dependent=True,
+        transformers_rope_type="longrope",
+        summary="LongRoPE with given per-dimension factors (long beyond L0, short inside).",
+        validate=_check_longrope,
+    ),
+):
+    _register_builtin(_method)

@@ -1,0 +1,339 @@
+"""Swap a loaded model's rotary embedding for a scaled one, in place, and give it back.
+
+Only the model instance changes: one submodule is replaced (the original is kept for
+:func:`unpatch_model`), ``model.config`` is updated in place, and length-dependent methods add
+two forward hooks on the module that calls the rotary embedding. No class or module-level
+function of transformers is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import numbers
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import compat, config_io
+from .families import family_info, tested_families
+from .methods import default_inv_freq, get_method, resolve_params
+from .cache_consistency import CacheGuard
+from .rotary import ExtendedRotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_METHOD = "dynamic-yarn"
+# Length-dependent methods change frequencies only at L0 * 2 ** (k / 4): four times per doubling
+# of the length. With a KV cache each change costs one recomputation of the cached states.
+DEFAULT_STEPS_PER_DOUBLING = 4
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    """What :func:`get_patch_info` reports about a patched model."""
+
+    method: str
+    scale: float
+    original_max_position_embeddings: int
+    max_position_embeddings: int
+    params: dict[str, Any] = field(default_factory=dict)
+    steps_per_doubling: int | None = None
+    module_name: str = ""
+
+
+def _model_type(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) or type(model).__name__
+
+
+def _patched_modules(model: nn.Module) -> list[tuple[str, ExtendedRotaryEmbedding]]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expected a torch.nn.Module (a transformers model), got {type(model).__name__}.")
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, ExtendedRotaryEmbedding)]
+
+
+def find_rotary_module(model: nn.Module) -> tuple[str, nn.Module]:
+    """The model's rotary embedding, found by structure: a submodule with an ``inv_freq`` tensor.
+
+    Raises ``ValueError`` naming the model type when there is none or more than one.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch_model expects a torch.nn.Module (a transformers model), got {type(model).__name__}.")
+    model_type = _model_type(model)
+    info = family_info(model_type)
+    if info is not None and not info.supported:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported: {info.note}. hf_rope_ext works on RoPE models "
+            f"with a shared rotary module, such as {', '.join(tested_families())}."
+        )
+    candidates = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and not isinstance(module, ExtendedRotaryEmbedding)
+    ]
+    if not candidates:
+        raise ValueError(
+            f"model_type {model_type!r} has no rotary position embedding module (a submodule with an "
+            "`inv_freq` buffer that the model calls once per forward), so there is nothing to scale. "
+            f"hf_rope_ext works on RoPE models such as {', '.join(tested_families())}."
+        )
+    if len(candidates) > 1:
+        names = ", ".join(name for name, _ in candidates)
+        raise ValueError(
+            f"model_type {model_type!r} has {len(candidates)} rotary modules ({names}); hf_rope_ext supports "
+            "models with one rotary embedding shared by all layers."
+        )
+    return candidates[0]
+
+
+def _check_scale(scale: Any, name: str = "scale") -> float:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{name} must be a number (e.g. {name}=4), got {type(scale).__name__} {scale!r}.")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"{name} must be finite, got {scale}.")
+    if scale <= 0:
+        raise ValueError(f"{name} must be > 1 (how many times longer than the original context), got {scale}.")
+    if scale < 1:
+        raise ValueError(
+            f"{name}={scale} is below 1, which would shrink the context the model handles; "
+            "hf_rope_ext only extends. Use scale > 1 (e.g. 2, 4, 8)."
+        )
+    if scale == 1:
+        raise ValueError(f"{name}=1 leaves the model unchanged; use scale > 1 (e.g. 2, 4, 8).")
+    return scale
+
+
+def _check_length(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if isinstance(value, float) and value.is_integer():
+            return _check_length(int(value), name)
+        raise TypeError(f"{name} must be a positive integer number of tokens, got {value!r}.")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive number of tokens, got {value}.")
+    return int(value)
+
+
+def _resolve_scale(scale: Any, max_length: Any, original_length: int) -> float:
+    if scale is not None and max_length is not None:
+        raise ValueError(
+            f"Give either scale or max_length, not both (got scale={scale!r}, max_length={max_length!r}); "
+            "scale = max_length / original context."
+        )
+    if scale is None and max_length is None:
+        raise ValueError("patch_model needs scale= (e.g. scale=4) or max_length= (the context you want, in tokens).")
+    if max_length is not None:
+        max_length = _check_length(max_length, "max_length")
+        if max_length <= original_length:
+            raise ValueError(
+                f"max_length={max_length} is not beyond the model's original context of {original_length} tokens; "
+                "nothing to extend."
+            )
+        return _check_scale(max_length / original_length, "max_length / original context")
+    return _check_scale(scale)
+
+
+def _original_length(config: Any, original_max_length: Any) -> int:
+    if original_max_length is not None:
+        return _check_length(original_max_length, "original_max_length")
+    value = getattr(config, "max_position_embeddings", None)
+    if value is None:
+        raise ValueError(
+            f"model_type {getattr(config, 'model_type', '?')!r}: the config has no max_position_embeddings, so the "
+            "original context length is unknown; pass original_max_length= (the context the model was trained on)."
+        )
+    return _check_length(value, "config.max_position_embeddings")
+
+
+def _verify_layout(module: nn.Module, rotary_dim: int, base: float, model_type: str) -> None:
+    """Check that the module computes plain RoPE as ``cat(freqs, freqs)`` from ``rope_theta``."""
+    original = getattr(module, "original_inv_freq", module.inv_freq).detach().double().cpu()
+    expected = default_inv_freq(rotary_dim, base)
+    if original.shape != expected.shape or not torch.allclose(original, expected, rtol=1e-5, atol=0):
+        raise ValueError(
+            f"model_type {model_type!r}: the rotary module's frequencies are not plain RoPE with "
+            f"rope_theta={base} over {rotary_dim} dimensions; this layout is not supported."
+        )
+    device = module.inv_freq.device
+    probe = torch.zeros(1, dtype=torch.float32, device=device)
+    positions = torch.arange(8, device=device)[None]
+    try:
+        with torch.no_grad():
+            cos, sin = module(probe, positions)
+    except TypeError as error:
+        raise ValueError(
+            f"model_type {model_type!r}: its rotary module is not called as forward(x, position_ids) "
+            f"({error}); this layout is not supported."
+        ) from error
+    angles = positions[..., None].double() * expected.to(device)
+    reference = torch.cat((angles, angles), dim=-1)
+    if cos.shape[-1] != rotary_dim or not torch.allclose(cos.double(), reference.cos(), atol=1e-5):
+        raise ValueError(
+            f"model_type {model_type!r}: its rotary module does not return cos/sin laid out as cat(freqs, freqs) "
+            "(rotate-half); interleaved or other layouts are not supported."
+        )
+
+
+def _caller_and_attribute(model: nn.Module, module_name: str) -> tuple[nn.Module, str]:
+    parent_name, _, attribute = module_name.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), attribute
+
+
+def patch_model(
+    model: nn.Module,
+    scale: float | None = None,
+    method: str = DEFAULT_METHOD,
+    *,
+    max_length: int | None = None,
+    original_max_length: int | None = None,
+    steps_per_doubling: int | None | str = "default",
+    **params: Any,
+) -> nn.Module:
+    """Extend the context of a loaded RoPE model in place; returns the same model.
+
+    Args:
+        model: a transformers ``*ForCausalLM``, its base model, or a peft wrapper of either.
+        scale: how many times the original context to reach (> 1). Or give ``max_length``.
+        method: a registered method (see :func:`hf_rope_ext.list_methods`); default
+            ``"dynamic-yarn"``.
+        max_length: target context in tokens; ``scale = max_length / original context``.
+        original_max_length: the context the model was trained on; defaults to
+            ``config.max_position_embeddings``.
+        steps_per_doubling: length-dependent methods only: beyond the original context ``L0``
+            the length is rounded up to the next ``L0 * 2 ** (k / steps_per_doubling)`` before
+            frequencies are computed (default 4). Each change of the rounded length during
+            generation recomputes the cached states once. ``None`` follows the length token by
+            token, as transformers' ``dynamic`` does (exact but slow with a KV cache).
+        **params: the method's own parameters (e.g. ``beta_fast=32`` for yarn).
+
+    The model's config is updated to describe the patch (see :mod:`hf_rope_ext.config_io`).
+    Patching an already patched model starts again from the original: scales never compound.
+    """
+    if _patched_modules(model):
+        unpatch_model(model)
+    module_name, original = find_rotary_module(model)
+    model_type = _model_type(model)
+    config = getattr(original, "config", None) or getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no config; patch a transformers model.")
+    rope = compat.rope_parameters(config)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(
+            f"model_type {model_type!r} already uses RoPE scaling (rope_type={rope_type!r} in its config); "
+            "hf_rope_ext extends models that use plain RoPE. Load the model without that scaling first."
+        )
+    base = float(rope["rope_theta"])
+    rotary_dim = 2 * original.inv_freq.shape[-1]
+    _verify_layout(original, rotary_dim, base, model_type)
+
+    original_length = _original_length(config, original_max_length)
+    scale = _resolve_scale(scale, max_length, original_length)
+    rope_method = get_method(method)
+    resolved = resolve_params(rope_method, rotary_dim, params)
+    resolved["factor"] = scale
+    resolved["original_max_position_embeddings"] = original_length
+    if rope_method.length_dependent:
+        if steps_per_doubling == "default":
+            steps_per_doubling = DEFAULT_STEPS_PER_DOUBLING
+        elif steps_per_doubling is not None:
+            steps_per_doubling = _check_length(steps_per_doubling, "steps_per_doubling")
+    elif steps_per_doubling != "default":
+        raise ValueError(f"steps_per_doubling only applies to length-dependent methods; {method!r} is static.")
+    else:
+        steps_per_doubling = None
+
+    rotary = ExtendedRotaryEmbedding(original, rope_method, resolved, rotary_dim, base, steps_per_doubling)
+    extended = int(math.ceil(original_length * scale))
+    inv_freq, attention = rotary.frequencies(extended)
+    if torch.allclose(inv_freq, default_inv_freq(rotary_dim, base), rtol=1e-9, atol=0) and attention == 1.0:
+        raise ValueError(
+            f"method {method!r} with {params or 'default parameters'} leaves the frequencies unchanged at "
+            f"{extended} tokens: the patch would do nothing. Check the method's parameters."
+        )
+
+    kept = {key: rope[key] for key in ("partial_rotary_factor",) if key in rope}
+    new_rope, max_positions = config_io.rope_config_for(rope_method, resolved, base, rotary_dim, kept)
+    rotary._saved_config = compat.snapshot_config(config, (config_io.RECORD_ATTRIBUTE,))
+    compat.write_rope_config(config, new_rope, max_positions)
+    setattr(config, config_io.RECORD_ATTRIBUTE, config_io.patch_record(rope_method, resolved, base, steps_per_doubling))
+
+    caller, attribute = _caller_and_attribute(model, module_name)
+    try:
+        rotary.cache_guard = CacheGuard(caller, rotary) if rope_method.length_dependent else None
+    except Exception:
+        compat.restore_config(config, rotary._saved_config)
+        raise
+    setattr(caller, attribute, rotary)
+    logger.info(
+        "Patched %s (%s) with %s, scale %g: context %d -> %d tokens.",
+        module_name,
+        model_type,
+        rope_method.name,
+        scale,
+        original_length,
+        extended,
+    )
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_model`: the original rotary module, config and no hooks. Returns the model."""
+    patched = _patched_modules(model)
+    if not patched:
+        raise ValueError(f"{type(model).__name__} is not patched by hf_rope_ext; nothing to undo.")
+    for module_name, rotary in patched:
+        if rotary.cache_guard is not None:
+            rotary.cache_guard.remove()
+        original = rotary.original_rotary
+        compat.restore_config(rotary.config if rotary.config is not None else model.config, rotary._saved_config)
+        caller, attribute = _caller_and_attribute(model, module_name)
+        setattr(caller, attribute, original)
+        logger.info("Restored the original rotary embedding at %s.", module_name)
+    return model
+
+
+def get_patch_info(model: nn.Module) -> PatchInfo | None:
+    """How ``model`` is patched, or None if it is not."""
+    patched = _patched_modules(model)
+    if not patched:
+        return None
+    module_name, rotary = patched[0]
+    params = {key: value for key, value in rotary.params.items() if key not in ("factor", "original_max_position_embeddings")}
+    return PatchInfo(
+        method=rotary.method.name,
+        scale=rotary.params["factor"],
+        original_max_position_embeddings=rotary.original_max_seq_len,
+        max_position_embeddings=int(math.ceil(rotary.original_max_seq_len * rotary.params["factor"])),
+        params=params,
+        steps_per_doubling=rotary.steps_per_doubling,
+        module_name=module_name,
+    )
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, scale: float | None = None, method: str = DEFAULT_METHOD, **kwargs: Any) -> Iterator[nn.Module]:
+    """Context manager form of :func:`patch_model`: on exit the model is as it was before,
+    including a patch it already had."""
+    previous = get_patch_info(model)
+    patch_model(model, scale, method, **kwargs)
+    try:
+        yield model
+    finally:
+        unpatch_model(model)
+        if previous is not None:
+            patch_model(
+                model,
+                previous.scale,
+                previous.method,
+                original_max_length=previous.original_max_position_embeddings,
+                steps_per_doubling=(
+                    previous.steps_per_doubling if get_method(previous.method).length_dependent else "default"
+                ),
+                **previous.params,
+            )

@@ -1,0 +1,85 @@
+"""Tiny random models built from configs, so nothing is downloaded."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+ORIGINAL_CONTEXT = 32  # max_position_embeddings of the tiny models
+VOCAB = 128
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=ORIGINAL_CONTEXT,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+CONFIGS = {
+    "llama": lambda **kw: LlamaConfig(**{**_COMMON, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **kw}),
+    # sliding_window longer than every test sequence unless a test asks for a short one
+    "mistral": lambda **kw: MistralConfig(**{**_COMMON, "sliding_window": 4096, **kw}),
+    "qwen2": lambda **kw: Qwen2Config(**{**_COMMON, "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}, **kw}),
+    "qwen3": lambda **kw: Qwen3Config(**{**_COMMON, "head_dim": 16, **kw}),
+}
+FAMILIES = list(CONFIGS)
+
+
+def make_config(family: str, **overrides):
+    return CONFIGS[family](**overrides)
+
+
+def make_model(family: str = "llama", seed: int = 0, attn_implementation: str = "eager", **overrides):
+    torch.manual_seed(seed)
+    config = make_config(family, **overrides)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    # Larger-than-default weights make attention depend on position strongly enough that
+    # a wrong rotation shows up in the logits.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "proj" in name and parameter.dim() == 2:
+                parameter.normal_(0, 0.15)
+    return model.eval()
+
+
+def native_twin(model, rope_parameters: dict, max_position_embeddings: int | None = None):
+    """The same weights in a model built by transformers itself with the given RoPE settings."""
+    config = copy.deepcopy(model.config)
+    for attribute in ("hf_rope_ext",):
+        if hasattr(config, attribute):
+            delattr(config, attribute)
+    base = dict(config.rope_parameters)
+    config.rope_parameters = {"rope_theta": base["rope_theta"], **rope_parameters}
+    if max_position_embeddings is not None:
+        config.max_position_embeddings = max_position_embeddings
+    config.standardize_rope_params()
+    config.validate_rope()
+    twin = AutoModelForCausalLM.from_config(config, attn_implementation=model.config._attn_implementation)
+    twin.load_state_dict(model.state_dict())
+    return twin.eval()
+
+
+def random_ids(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param

@@ -1,0 +1,260 @@
+"""The frequency functions: closed forms, golden values, properties, and transformers' own functions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from hf_rope_ext import get_method, list_methods
+from hf_rope_ext.methods import default_inv_freq, resolve_params
+
+DIM, BASE, L0 = 64, 10000.0, 2048
+
+
+def params_for(name: str, scale: float = 4.0, **given):
+    method = get_method(name)
+    params = resolve_params(method, DIM, given)
+    params.update(factor=scale, original_max_position_embeddings=L0)
+    return params
+
+
+def compute(name: str, seq_len=None, scale: float = 4.0, dim: int = DIM, **given):
+    method = get_method(name)
+    params = resolve_params(method, dim, given)
+    params.update(factor=scale, original_max_position_embeddings=L0)
+    return method.compute(dim, BASE, params, seq_len)
+
+
+LONG_FACTOR = [1.0 + 0.25 * i for i in range(DIM // 2)]
+EXTRA = {"longrope": {"long_factor": LONG_FACTOR}}
+
+
+def test_default_frequencies_golden():
+    # theta_i = 10000 ** (-2i / 64), written out for i = 0, 1, 16, 31.
+    inv = default_inv_freq(DIM, BASE)
+    assert inv.dtype == torch.float64 and inv.shape == (32,)
+    golden = {0: 1.0, 1: 10000.0 ** (-2 / 64), 16: 0.01, 31: 10000.0 ** (-62 / 64)}
+    assert golden[1] == pytest.approx(0.7498942093324559, rel=1e-15)
+    for index, value in golden.items():
+        assert inv[index].item() == pytest.approx(value, rel=1e-14)
+
+
+def test_linear_divides_frequencies_and_maps_positions():
+    inv, attention = compute("linear", scale=4.0)
+    assert attention == 1.0
+    torch.testing.assert_close(inv, default_inv_freq(DIM, BASE) / 4, rtol=1e-15, atol=0)
+    # Position x at scale s is rotated like original position x / s.
+    positions = torch.tensor([0.0, 4.0, 400.0, 8188.0], dtype=torch.float64)
+    scaled_angles = positions[:, None] * inv
+    original_angles = (positions / 4)[:, None] * default_inv_freq(DIM, BASE)
+    torch.testing.assert_close(scaled_angles, original_angles, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("scale", [2.0, 4.0, 8.0, 32.0])
+def test_ntk_base_formula(scale):
+    inv, attention = compute("ntk", scale=scale)
+    raised_base = BASE * scale ** (DIM / (DIM - 2))
+    expected = torch.tensor([raised_base ** (-2 * i / DIM) for i in range(DIM // 2)], dtype=torch.float64)
+    torch.testing.assert_close(inv, expected, rtol=1e-13, atol=0)
+    assert attention == 1.0
+    # The highest frequency is untouched; the lowest is interpolated by exactly s.
+    assert inv[0].item() == 1.0
+    theta = default_inv_freq(DIM, BASE)
+    assert (theta[-1] / inv[-1]).item() == pytest.approx(scale ** ((DIM - 2) / (DIM - 2)), rel=1e-12)
+
+
+def test_dynamic_unchanged_within_original_context_and_grows_beyond():
+    theta = default_inv_freq(DIM, BASE)
+    for seq_len in (None, 1, L0 // 2, L0):
+        inv, attention = compute("dynamic", seq_len=seq_len)
+        torch.testing.assert_close(inv, theta, rtol=0, atol=0)
+        assert attention == 1.0
+    previous = theta
+    for seq_len in (L0 + 1, 2 * L0, 4 * L0, 16 * L0):
+        inv, _ = compute("dynamic", seq_len=seq_len)
+        assert torch.all(inv[1:] < previous[1:])  # more interpolation as the input grows
+        previous = inv
+    # At L = 2 * L0 the effective scale is s * 2 - (s - 1) = 5 for s = 4: the static NTK base of scale 5.
+    torch.testing.assert_close(compute("dynamic", seq_len=2 * L0)[0], compute("ntk", scale=5.0)[0], rtol=1e-13, atol=0)
+
+
+def test_yarn_between_interpolation_and_extrapolation():
+    theta = default_inv_freq(DIM, BASE)
+    inv, attention = compute("yarn", scale=8.0)
+    assert torch.all(inv <= theta * (1 + 1e-15)) and torch.all(inv >= theta / 8 * (1 - 1e-15))
+    # Dimensions turning more than beta_fast=32 times in L0 are kept, those below beta_slow=1 fully interpolated.
+    turns = L0 * theta / (2 * math.pi)
+    torch.testing.assert_close(inv[turns > 32 * 1.5], theta[turns > 32 * 1.5], rtol=0, atol=0)
+    torch.testing.assert_close(inv[turns < 1 / 1.5], theta[turns < 1 / 1.5] / 8, rtol=1e-15, atol=0)
+    assert attention == pytest.approx(0.1 * math.log(8.0) + 1.0, rel=1e-15)
+    assert compute("yarn", scale=8.0, attention_factor=1.0)[1] == 1.0
+
+
+def test_dynamic_yarn_follows_length():
+    theta = default_inv_freq(DIM, BASE)
+    for seq_len in (None, L0):
+        inv, attention = compute("dynamic-yarn", seq_len=seq_len)
+        torch.testing.assert_close(inv, theta, rtol=0, atol=0)
+        assert attention == 1.0
+    # At L = 3 * L0 it is YaRN with s = 3, whatever the configured scale.
+    inv, attention = compute("dynamic-yarn", seq_len=3 * L0, scale=8.0)
+    expected_inv, expected_attention = compute("yarn", scale=3.0)
+    torch.testing.assert_close(inv, expected_inv, rtol=0, atol=0)
+    assert attention == pytest.approx(expected_attention)
+
+
+def test_dynamic_linear_follows_length():
+    inv, _ = compute("dynamic-linear", seq_len=3 * L0, scale=8.0)
+    torch.testing.assert_close(inv, default_inv_freq(DIM, BASE) / 3, rtol=1e-15, atol=0)
+    torch.testing.assert_close(compute("dynamic-linear", seq_len=L0)[0], default_inv_freq(DIM, BASE), rtol=0, atol=0)
+
+
+def test_llama3_bands():
+    theta = default_inv_freq(DIM, BASE)
+    inv, attention = compute("llama3", scale=8.0)
+    wavelength = 2 * math.pi / theta
+    high = wavelength < L0 / 4  # short wavelengths: kept
+    low = wavelength > L0 / 1  # long wavelengths: divided by s
+    torch.testing.assert_close(inv[high], theta[high], rtol=0, atol=0)
+    torch.testing.assert_close(inv[low], theta[low] / 8, rtol=1e-15, atol=0)
+    middle = ~(high | low)
+    assert middle.any() and torch.all(inv[middle] < theta[middle]) and torch.all(inv[middle] > theta[middle] / 8)
+    assert attention == 1.0
+
+
+def test_longrope_uses_long_factors_beyond_original_context():
+    theta = default_inv_freq(DIM, BASE)
+    factors = torch.tensor(LONG_FACTOR, dtype=torch.float64)
+    short, attention = compute("longrope", seq_len=L0, long_factor=LONG_FACTOR)
+    long, _ = compute("longrope", seq_len=L0 + 1, long_factor=LONG_FACTOR)
+    torch.testing.assert_close(short, theta, rtol=0, atol=0)
+    torch.testing.assert_close(long, theta / factors, rtol=1e-15, atol=0)
+    assert attention == pytest.approx(math.sqrt(1 + math.log(4.0) / math.log(L0)))
+
+
+# -- equivalence with transformers' own functions ----------------------------------------------
+
+
+def _config(rope_parameters: dict, max_position_embeddings: int) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=DIM * 4,
+        num_attention_heads=4,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_theta": BASE, **rope_parameters},
+    )
+
+
+NATIVE_CASES = [
+    ("linear", {}, {"rope_type": "linear", "factor": 4.0}, 4 * L0, None),
+    ("dynamic", {}, {"rope_type": "dynamic", "factor": 4.0}, L0, 3 * L0 + 17),
+    ("dynamic", {}, {"rope_type": "dynamic", "factor": 4.0}, L0, L0 // 2),
+    ("yarn", {}, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L0}, 4 * L0, None),
+    (
+        "yarn",
+        {"beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.3},
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": L0,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "attention_factor": 1.3,
+        },
+        4 * L0,
+        None,
+    ),
+    (
+        "llama3",
+        {},
+        {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "original_max_position_embeddings": L0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+        4 * L0,
+        None,
+    ),
+    (
+        "longrope",
+        {"long_factor": LONG_FACTOR},
+        {
+            "rope_type": "longrope",
+            "factor": 4.0,
+            "original_max_position_embeddings": L0,
+            "long_factor": LONG_FACTOR,
+            "short_factor": [1.0] * (DIM // 2),
+        },
+        4 * L0,
+        3 * L0,
+    ),
+]
+
+
+@pytest.mark.parametrize("name, given, rope, max_positions, seq_len", NATIVE_CASES)
+def test_matches_transformers_function(name, given, rope, max_positions, seq_len):
+    config = _config(rope, max_positions)
+    reference, reference_attention = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu", seq_len=seq_len)
+    ours, attention = compute(name, seq_len=seq_len, **given)
+    # transformers computes in float32; ours in float64 and then agrees to float32 rounding.
+    torch.testing.assert_close(ours.float(), reference, rtol=2e-6, atol=0)
+    assert attention == pytest.approx(reference_attention, rel=1e-7)
+
+
+# -- the relative-position property -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(list_methods()))
+def test_attention_score_depends_only_on_relative_position(name):
+    inv, attention = compute(name, seq_len=3 * L0, **EXTRA.get(name, {}))
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 1, 1, DIM, generator=generator, dtype=torch.float64)
+    key = torch.randn(1, 1, 1, DIM, generator=generator, dtype=torch.float64)
+
+    def score(m: int, n: int) -> float:
+        angles = torch.tensor([[m], [n]], dtype=torch.float64) * inv
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos() * attention, emb.sin() * attention
+        q_rot, _ = apply_rotary_pos_emb(query, query, cos[None, :1], sin[None, :1])
+        k_rot, _ = apply_rotary_pos_emb(key, key, cos[None, 1:], sin[None, 1:])
+        return (q_rot * k_rot).sum().item()
+
+    for distance in (0, 1, 37, 1500):
+        reference = score(distance, 0)
+        for offset in (5, 999, 5000):
+            assert score(distance + offset, offset) == pytest.approx(reference, rel=1e-9, abs=1e-9)
+    assert score(1, 0) != pytest.approx(score(37, 0), rel=1e-3)  # the score does depend on the distance
+
+
+# -- parameter checks ------------------------------------------------------------------------------
+
+
+def test_unknown_parameter_suggests_the_right_name():
+    with pytest.raises(ValueError, match=r"'beta_fats'.*did you mean 'beta_fast'"):
+        resolve_params(get_method("yarn"), DIM, {"beta_fats": 16})
+
+
+def test_bad_parameter_values():
+    with pytest.raises(ValueError, match="beta_fast > beta_slow"):
+        resolve_params(get_method("yarn"), DIM, {"beta_fast": 1.0, "beta_slow": 2.0})
+    with pytest.raises(TypeError, match="finite number"):
+        resolve_params(get_method("yarn"), DIM, {"beta_fast": "32"})
+    with pytest.raises(ValueError, match="attention_factor"):
+        resolve_params(get_method("yarn"), DIM, {"attention_factor": -1.0})
+    with pytest.raises(ValueError, match="list of 32 numbers"):
+        resolve_params(get_method("longrope"), DIM, {"long_factor": [1.0] * 3})
+    with pytest.raises(ValueError, match="needs parameter"):
+        resolve_params(get_method("longrope"), DIM, {})
+    with pytest.raises(ValueError, match="high_freq_factor > low_freq_factor"):
+        resolve_params(get_method("llama3"), DIM, {"low_freq_factor": 4.0, "high_freq_factor": 1.0})
+
+
+def test_unknown_method_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"Unknown RoPE method 'yarm'.*Did you mean 'yarn'.*Valid methods: linear, ntk"):
+        get_method("yarm")

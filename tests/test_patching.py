@@ -1,0 +1,315 @@
+"""patch_model / unpatch_model on tiny random models of each family."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import ORIGINAL_CONTEXT, make_model, native_twin, random_ids
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+import hf_rope_ext
+from hf_rope_ext import get_patch_info, patch_model, patched, unpatch_model
+from hf_rope_ext.methods import default_inv_freq
+
+L0 = ORIGINAL_CONTEXT
+LONG_FACTOR = [1.0 + 0.5 * i for i in range(8)]  # head_dim 16 -> 8 frequencies
+
+# (method, patch kwargs, transformers' own rope_parameters, max_position_embeddings of the twin)
+NATIVE = [
+    ("linear", {}, {"rope_type": "linear", "factor": 4.0}, 4 * L0),
+    ("ntk", {}, {"rope_type": "default"}, 4 * L0),  # rope_theta filled in per model below
+    ("dynamic", {"steps_per_doubling": None}, {"rope_type": "dynamic", "factor": 4.0}, L0),
+    ("yarn", {}, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L0}, 4 * L0),
+    (
+        "llama3",
+        {},
+        {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "original_max_position_embeddings": L0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+        4 * L0,
+    ),
+    (
+        "longrope",
+        {"long_factor": LONG_FACTOR},
+        {
+            "rope_type": "longrope",
+            "factor": 4.0,
+            "original_max_position_embeddings": L0,
+            "long_factor": LONG_FACTOR,
+            "short_factor": [1.0] * 8,
+        },
+        4 * L0,
+    ),
+]
+
+
+def _native_parameters(model, method, rope):
+    rope = dict(rope)
+    if method == "ntk":  # static NTK is plain RoPE with base * s^(d/(d-2))
+        rope["rope_theta"] = model.config.rope_parameters["rope_theta"] * 4.0 ** (16 / 14)
+    return rope
+
+
+@pytest.mark.parametrize("method, kwargs, rope, max_positions", NATIVE, ids=[case[0] for case in NATIVE])
+def test_matches_transformers_native_implementation(family, method, kwargs, rope, max_positions):
+    model = make_model(family)
+    twin = native_twin(model, _native_parameters(model, method, rope), max_positions)
+    ids = random_ids(3 * L0 + 5)
+    with torch.no_grad():
+        unpatched = model(ids).logits
+        expected = twin(ids).logits
+        # The comparison can fail: the original model differs from the twin beyond L0.
+        assert (unpatched - expected).abs().max() > 1e-2
+        patch_model(model, scale=4, method=method, **kwargs)
+        got = model(ids).logits
+        positions = torch.arange(ids.shape[1])[None]
+        hidden = torch.zeros(1, dtype=torch.float32)
+        cos, sin = model.model.rotary_emb(hidden, positions)
+        cos_ref, sin_ref = twin.model.rotary_emb(hidden, positions)
+    torch.testing.assert_close(cos, cos_ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sin, sin_ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("method", ["dynamic", "dynamic-yarn", "dynamic-linear", "longrope"])
+def test_length_dependent_methods_identical_inside_original_context(family, method):
+    model = make_model(family)
+    ids = random_ids(L0, batch=2)
+    with torch.no_grad():
+        before = model(ids).logits
+        extra = {"long_factor": LONG_FACTOR} if method == "longrope" else {}
+        patch_model(model, scale=8, method=method, **extra)
+        after = model(ids).logits
+        longer = model(random_ids(L0 + 1, batch=2)).logits[:, :L0]
+    assert torch.equal(before, after)
+    assert not torch.allclose(before, longer, atol=1e-4)  # one token beyond L0 does change them
+
+
+def test_round_trip_is_bitwise(family):
+    model = make_model(family)
+    ids = random_ids(3 * L0)
+    config_before = model.config.to_dict()
+    modules_before = [(name, type(module)) for name, module in model.named_modules()]
+    buffers_before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    parameters_before = sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        logits_before = model(ids).logits
+        for method in ("yarn", "dynamic-yarn"):
+            patch_model(model, scale=4, method=method)
+            assert model.config.to_dict() != config_before
+            assert not torch.allclose(model(ids).logits, logits_before, atol=1e-4)
+            assert sum(p.numel() for p in model.parameters()) == parameters_before
+            unpatch_model(model)
+            assert torch.equal(model(ids).logits, logits_before)
+    assert model.config.to_dict() == config_before
+    assert [(name, type(module)) for name, module in model.named_modules()] == modules_before
+    buffers_after = dict(model.named_buffers())
+    assert buffers_after.keys() == buffers_before.keys()
+    assert all(torch.equal(buffers_after[name], buffer) for name, buffer in buffers_before.items())
+    assert not model.model._forward_pre_hooks and not model.model._forward_hooks
+    assert not hasattr(model.config, "hf_rope_ext")
+
+
+def test_repatching_never_compounds():
+    model = make_model("llama")
+    fresh = make_model("llama")
+    ids = random_ids(2 * L0)
+    patch_model(model, scale=2, method="linear")
+    patch_model(model, scale=4, method="linear")
+    patch_model(fresh, scale=4, method="linear")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fresh(ids).logits)
+    assert model.config.rope_parameters == fresh.config.rope_parameters
+    assert model.config.max_position_embeddings == 4 * L0
+    unpatch_model(model)
+    assert model.config.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+    assert model.config.max_position_embeddings == L0
+
+
+def test_context_manager_restores_previous_state():
+    model = make_model("llama")
+    ids = random_ids(2 * L0)
+    with torch.no_grad():
+        plain = model(ids).logits
+        with patched(model, scale=4, method="yarn") as same:
+            assert same is model
+            assert get_patch_info(model).method == "yarn"
+        assert get_patch_info(model) is None and torch.equal(model(ids).logits, plain)
+
+        patch_model(model, scale=2, method="linear")
+        linear = model(ids).logits
+        with pytest.raises(RuntimeError, match="boom"):
+            with patched(model, scale=8, method="ntk"):
+                raise RuntimeError("boom")
+        info = get_patch_info(model)
+        assert (info.method, info.scale) == ("linear", 2.0)
+        assert torch.equal(model(ids).logits, linear)
+
+
+def test_config_describes_the_patch():
+    model = make_model("llama")
+    patch_model(model, max_length=4 * L0, method="yarn", beta_fast=16)
+    assert model.config.max_position_embeddings == 4 * L0
+    assert model.config.rope_parameters == {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": L0,
+        "beta_fast": 16,
+        "beta_slow": 1.0,
+        "truncate": True,
+    }
+    record = model.config.hf_rope_ext
+    assert record["method"] == "yarn" and record["scale"] == 4.0 and record["original_max_position_embeddings"] == L0
+    info = get_patch_info(model)
+    assert info.max_position_embeddings == 4 * L0 and info.params["beta_fast"] == 16
+
+    patch_model(model, scale=4, method="dynamic")
+    # transformers and vLLM read max_position_embeddings as where dynamic scaling starts
+    assert model.config.max_position_embeddings == L0
+    assert model.config.rope_parameters == {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+
+
+@pytest.mark.parametrize("method", ["linear", "ntk", "yarn", "llama3", "dynamic", "dynamic-yarn", "longrope"])
+def test_save_pretrained_reloads_to_same_logits(tmp_path, family, method):
+    model = make_model(family)
+    extra = {"long_factor": LONG_FACTOR} if method == "longrope" else {}
+    patch_model(model, scale=4, method=method, steps_per_doubling=None, **extra) if method in (
+        "dynamic",
+        "dynamic-yarn",
+        "longrope",
+    ) else patch_model(model, scale=4, method=method, **extra)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ids = random_ids(3 * L0 + 3)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=2e-5)
+
+
+def test_patched_frequencies_stay_float32_in_bf16():
+    model = make_model("llama")
+    patch_model(model, scale=4, method="yarn")
+    model.to(torch.bfloat16)
+    rotary = model.model.rotary_emb
+    assert rotary.inv_freq.dtype == torch.float32
+    expected, _ = rotary.frequencies()
+    assert torch.equal(rotary.inv_freq, expected.float())
+    cos, _ = rotary(torch.zeros(1, dtype=torch.bfloat16), torch.arange(4)[None])
+    assert cos.dtype == torch.bfloat16
+    unpatch_model(model)
+    assert model.model.rotary_emb.inv_freq.device.type == "cpu"
+
+
+def test_user_registered_method(tmp_path):
+    def half_frequencies(rotary_dim, base, params, seq_len=None):
+        """Halve every frequency times a user parameter."""
+        return default_inv_freq(rotary_dim, base) / (2 * params["strength"]), 1.0
+
+    hf_rope_ext.register_method("halve", half_frequencies, defaults={"strength": 1.0})
+    try:
+        assert "halve" in hf_rope_ext.list_methods()
+        with pytest.raises(ValueError, match="already registered"):
+            hf_rope_ext.register_method("halve", half_frequencies)
+        with pytest.raises(ValueError, match="built-in"):
+            hf_rope_ext.register_method("yarn", half_frequencies)
+        model = make_model("llama")
+        twin = native_twin(model, {"rope_type": "linear", "factor": 2.0}, 2 * L0)
+        patch_model(model, scale=2, method="halve")
+        ids = random_ids(2 * L0)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=0, atol=2e-5)
+        assert model.config.rope_parameters["rope_type"] == "hf_rope_ext.halve"
+        model.save_pretrained(tmp_path)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(ids).logits, twin(ids).logits, rtol=0, atol=2e-5)
+    finally:
+        hf_rope_ext.unregister_method("halve")
+    assert "halve" not in hf_rope_ext.list_methods()
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"scale": 0}, ValueError, "must be > 1"),
+        ({"scale": -2}, ValueError, "must be > 1"),
+        ({"scale": float("nan")}, ValueError, "finite"),
+        ({"scale": float("inf")}, ValueError, "finite"),
+        ({"scale": "4"}, TypeError, "must be a number"),
+        ({"scale": True}, TypeError, "must be a number"),
+        ({"scale": 0.5}, ValueError, "below 1, which would shrink"),
+        ({"scale": 1}, ValueError, "leaves the model unchanged"),
+        ({}, ValueError, "needs scale="),
+        ({"scale": 2, "max_length": 128}, ValueError, "either scale or max_length"),
+        ({"max_length": 16}, ValueError, "not beyond the model's original context of 32"),
+        ({"max_length": 100.5}, TypeError, "positive integer"),
+        ({"scale": 4, "method": "yran"}, ValueError, r"Did you mean 'yarn'.*Valid methods:"),
+        ({"scale": 4, "method": 3}, TypeError, "method must be a string"),
+        ({"scale": 4, "method": "yarn", "beta_fats": 3}, ValueError, "did you mean 'beta_fast'"),
+        ({"scale": 4, "method": "linear", "factor": 3}, ValueError, "Unknown parameter"),
+        ({"scale": 4, "method": "linear", "steps_per_doubling": 2}, ValueError, "only applies to length-dependent"),
+        ({"scale": 4, "method": "yarn", "beta_fast": 0.5}, ValueError, "beta_fast > beta_slow"),
+        ({"scale": 4, "method": "yarn", "attention_factor": 1.0, "beta_fast": 1e9, "beta_slow": 1e8}, ValueError, "unchanged"),
+        ({"scale": 4, "original_max_length": 0}, ValueError, "positive number of tokens"),
+    ],
+)
+def test_bad_input_is_rejected_and_model_untouched(kwargs, error, message):
+    model = make_model("llama")
+    config_before = model.config.to_dict()
+    with pytest.raises(error, match=message):
+        patch_model(model, **kwargs)
+    assert get_patch_info(model) is None
+    assert model.config.to_dict() == config_before
+
+
+def test_model_without_rope_names_its_type():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported: learned absolute position"):
+        patch_model(model, scale=4)
+
+
+def test_unknown_model_without_rotary_module():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="no rotary position embedding module"):
+        patch_model(model, scale=4)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        patch_model("not a model", scale=4)
+
+
+def test_already_scaled_model_is_refused():
+    model = make_model("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="already uses RoPE scaling"):
+        patch_model(model, scale=4)
+
+
+def test_missing_original_context_length():
+    model = make_model("llama")
+    object.__setattr__(model.config, "max_position_embeddings", None)  # as in a config without the field
+    with pytest.raises(ValueError, match="original_max_length="):
+        patch_model(model, scale=4)
+    patch_model(model, scale=4, original_max_length=L0, method="linear")
+    assert get_patch_info(model).original_max_position_embeddings == L0
+    unpatch_model(model)
+    assert model.config.max_position_embeddings is None
+
+
+def test_unpatching_an_unpatched_model_is_an_error():
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch_model(make_model("llama"))
+
+
+def test_patch_info_and_base_model():
+    model = make_model("qwen3")
+    patch_model(model.model, scale=3, method="ntk")  # the base model works too
+    info = get_patch_info(model)
+    assert info.method == "ntk" and info.scale == 3.0 and info.module_name == "model.rotary_emb"
+    assert info.max_position_embeddings == math.ceil(3 * L0)
