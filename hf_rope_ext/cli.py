@@ -1,0 +1,55 @@
+"""The ``hf-rope-ext`` command line.
+
+Each subcommand lives in the module that implements it; that module exposes
+``add_parser(subparsers)``, which registers the subcommand and sets ``handler`` (a function
+taking the parsed arguments and returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> module providing add_parser(subparsers)
+SUBCOMMANDS = {
+    "methods": "hf_rope_ext.cli",
+}
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("methods", help="list the RoPE scaling methods")
+    parser.set_defaults(handler=_list_methods)
+
+
+def _list_methods(args: argparse.Namespace) -> int:
+    from . import get_method, list_methods
+
+    for name, summary in list_methods().items():
+        kind = "length-dependent" if get_method(name).length_dependent else "static"
+        print(f"{name:<15} {kind:<17} {summary}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-rope-ext", description="Extend the context of RoPE language models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module_name in dict.fromkeys(SUBCOMMANDS.values()):
+        importlib.import_module(module_name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

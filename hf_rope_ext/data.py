@@ -1,0 +1,62 @@
+"""Long documents as token ids: text files (Project Gutenberg books, PG-19) or a datasets dataset."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG EBOOK.*?\*\*\*\s*$", re.M | re.I)
+_GUTENBERG_END = re.compile(r"^\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG EBOOK", re.M | re.I)
+
+
+def strip_gutenberg(text: str) -> str:
+    """The book without Project Gutenberg's header and licence, if they are there."""
+    start = _GUTENBERG_START.search(text)
+    end = _GUTENBERG_END.search(text)
+    begin = start.end() if start else 0
+    finish = end.start() if end and end.start() > begin else len(text)
+    return text[begin:finish].strip()
+
+
+def read_text(path: str | Path, strip_header: bool = True) -> str:
+    """Read a UTF-8 text file; raises a clear error if it is missing or empty."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Text file not found: {path}. Pass an existing file with --text-file.")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if strip_header:
+        text = strip_gutenberg(text)
+    if not text.strip():
+        raise ValueError(f"{path} contains no text.")
+    return text
+
+
+def tokenize(tokenizer, text: str, add_bos: bool = True) -> torch.Tensor:
+    """Token ids of a whole document (1-D), optionally starting with the BOS token."""
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if add_bos and bos is not None:
+        ids = [bos] + ids
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def iter_dataset_texts(name: str, split: str = "test", text_field: str = "text", config: str | None = None,
+                       limit: int | None = None) -> Iterator[str]:
+    """Texts of a ``datasets`` dataset (e.g. ``emozilla/pg19-test``), streamed; needs Hub access."""
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError("Reading a dataset needs the datasets package: pip install datasets") from error
+    dataset = datasets.load_dataset(name, config, split=split, streaming=True)
+    for index, row in enumerate(dataset):
+        if limit is not None and index >= limit:
+            break
+        if text_field not in row:
+            raise KeyError(f"Dataset {name} has no field {text_field!r}; fields: {sorted(row)}. Use --text-field.")
+        yield row[text_field]

