@@ -44,6 +44,7 @@ class InputLog:
     owner: int  # id() of the guard that wrote it
     inputs: torch.Tensor  # (batch, n) token ids or (batch, n, hidden) input embeddings
     positions: torch.Tensor  # (batch or 1, n) position ids
+    mask: torch.Tensor  # (batch or 1, n) 1 for real tokens, 0 for padding
     effective_length: int | None  # rounded length whose frequencies the cached states carry
 
     @property
@@ -56,6 +57,7 @@ class _Call:
     cache: Any
     inputs: torch.Tensor
     positions: torch.Tensor
+    mask: torch.Tensor
     new_tokens: int
     recomputed: bool
 
@@ -124,6 +126,7 @@ class CacheGuard:
             raise ValueError(
                 f"Length-dependent RoPE methods need 2-D position_ids (batch, seq); got shape {tuple(positions.shape)}."
             )
+        mask = _padding_of_new_tokens(arguments.get("attention_mask"), past, new_tokens, inputs.device)
         log = self._log_of(cache) if compat.is_cache(cache) else None
         if log is None:
             if past > 0:
@@ -132,24 +135,19 @@ class CacheGuard:
                     f"current '{self.rotary.method.name}' patch (filled before patching, or by another patch), so "
                     "their states carry other frequencies. Start from a fresh cache (past_key_values=None)."
                 )
-            self._call = _Call(cache, inputs, positions, new_tokens, recomputed=False)
+            self._call = _Call(cache, inputs, positions, mask, new_tokens, recomputed=False)
             return None
 
         self._sync_with_cache(log, cache)
         length = max(log.length, int(positions.max()) + 1)
         if self.rotary.effective_length(length) == log.effective_length:
-            self._call = _Call(cache, inputs, positions, new_tokens, recomputed=False)
+            self._call = _Call(cache, inputs, positions, mask, new_tokens, recomputed=False)
             return None
 
         # The frequencies change: recompute the cached states of the whole sequence with them.
         all_inputs = self._join_inputs(log, inputs, is_embeddings=arguments.get("input_ids") is None)
         all_positions = _broadcast_cat(log.positions, positions)
-        mask = arguments.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != all_positions.shape[-1]:
-            raise ValueError(
-                f"attention_mask covers {mask.shape[-1]} tokens but the sequence has {all_positions.shape[-1]}; pass the "
-                "mask of the whole sequence (as generate does) when using a cache."
-            )
+        all_mask = _broadcast_cat(log.mask, mask)
         logger.debug(
             "RoPE frequencies change at length %d: recomputing the states of %d cached tokens.",
             length,
@@ -160,9 +158,11 @@ class CacheGuard:
         arguments["input_ids"] = None if is_embeddings else all_inputs
         arguments["inputs_embeds"] = all_inputs if is_embeddings else None
         arguments["position_ids"] = all_positions
+        # A 2-D padding mask; transformers builds the 4-D mask that fits the cache and attention kernel.
+        arguments["attention_mask"] = all_mask if bool((all_mask == 0).any()) else None
         arguments["past_key_values"] = cache
         setattr(cache, LOG_ATTRIBUTE, None)
-        self._call = _Call(cache, all_inputs, all_positions, new_tokens, recomputed=True)
+        self._call = _Call(cache, all_inputs, all_positions, all_mask, new_tokens, recomputed=True)
         return (), arguments
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -185,12 +185,13 @@ class CacheGuard:
     def _record(self, cache: Any, call: _Call) -> None:
         log = self._log_of(cache)
         if log is None or call.recomputed:
-            inputs, positions = call.inputs, call.positions
+            inputs, positions, mask = call.inputs, call.positions, call.mask
         else:
             inputs = self._join_inputs(log, call.inputs, is_embeddings=call.inputs.dim() == 3)
             positions = _broadcast_cat(log.positions, call.positions)
+            mask = _broadcast_cat(log.mask, call.mask)
         effective = self.rotary.effective_length(int(positions.max()) + 1)
-        setattr(cache, LOG_ATTRIBUTE, InputLog(id(self), inputs, positions, effective))
+        setattr(cache, LOG_ATTRIBUTE, InputLog(id(self), inputs, positions, mask, effective))
         _track_batch_changes(cache)
 
     def _join_inputs(self, log: InputLog, inputs: torch.Tensor, is_embeddings: bool) -> torch.Tensor:
@@ -208,6 +209,7 @@ class CacheGuard:
         if cached < written:  # `cache.crop(...)` removed tokens from the end (assisted decoding)
             log.inputs = log.inputs[:, :cached]
             log.positions = log.positions[:, :cached]
+            log.mask = log.mask[:, :cached]
         elif cached > written:
             raise RuntimeError(
                 f"The KV cache holds {cached} tokens but only {written} were written through the patched model; "
@@ -229,6 +231,25 @@ class CacheGuard:
         raise TypeError(f"Unexpected output type {type(output).__name__} from the patched model.")
 
 
+def _padding_of_new_tokens(mask: Any, past: int, new_tokens: int, device: torch.device) -> torch.Tensor:
+    """1/0 per new token: is it a real token (1) or padding (0)?
+
+    Read from a 2-D padding mask over the whole sequence, or from the diagonal of a 4-D mask
+    (a token always sees itself unless it is padding; `generate` passes 4-D masks for static
+    caches). No mask means no padding.
+    """
+    if not isinstance(mask, torch.Tensor):
+        return torch.ones(1, new_tokens, dtype=torch.long, device=device)
+    if mask.dim() == 2:
+        return mask[:, -new_tokens:].long()
+    if mask.dim() == 4:
+        rows = torch.arange(new_tokens, device=mask.device)
+        diagonal = mask[:, 0, rows, past + rows]
+        visible = diagonal if diagonal.dtype == torch.bool else diagonal == 0
+        return visible.long()
+    raise ValueError(f"Unsupported attention_mask of shape {tuple(mask.shape)}; pass a 2-D (batch, seq) mask.")
+
+
 def _track_batch_changes(cache: Any) -> None:
     """Make the cache's batch operations (beam search, contrastive search) apply to its log too.
 
@@ -245,8 +266,11 @@ def _track_batch_changes(cache: Any) -> None:
             log = getattr(cache, LOG_ATTRIBUTE, None)
             if log is not None:
                 log.inputs = apply_to_rows(log.inputs, *args, **kwargs)
-                if log.positions.shape[0] > 1:  # a batch of 1 broadcasts over any batch
+                # a batch of 1 broadcasts over any batch
+                if log.positions.shape[0] > 1:
                     log.positions = apply_to_rows(log.positions, *args, **kwargs)
+                if log.mask.shape[0] > 1:
+                    log.mask = apply_to_rows(log.mask, *args, **kwargs)
             return result
 
         setattr(cache, operation, wrapped)

@@ -5,9 +5,10 @@ Interface (the one transformers' Llama/Mistral/Qwen2/Qwen3 rotary modules have):
 laid out as ``cat(freqs, freqs)`` (rotate-half layout, not interleaved pairs) and multiplied by
 the attention factor. ``x`` is only read for its dtype and device.
 
-Numerics: the angle ``m * theta_i`` is formed in float32 after an exact range reduction
-(see :func:`rope_angles`), so cos/sin stay accurate at positions of 100k and more, and the
-frequencies stay float32 whatever dtype the model is cast to.
+Numerics: the angle ``m * theta_i`` is formed in float64 and reduced modulo 2 pi before it is
+cast to float32, so cos/sin are accurate to float32 rounding at any position. Plain float32
+``m * theta_i`` (transformers) is off by up to 0.008 rad at m = 131072, more than bfloat16's
+rounding of cos/sin. The frequencies stay float32/float64 whatever dtype the model is cast to.
 """
 
 from __future__ import annotations
@@ -24,24 +25,31 @@ from .methods import RopeMethod
 
 logger = logging.getLogger(__name__)
 
-# Positions are split as m = q * ANGLE_BLOCK + r. The float32 product r * theta_i stays below
-# ANGLE_BLOCK radians (error ~1e-4), and q * theta_i is replaced by q * ((ANGLE_BLOCK * theta_i)
-# mod 2 pi), with the phase computed in float64. Plain float32 `m * theta_i` is off by up to
-# 0.008 rad at m = 131072, more than bfloat16's rounding of cos/sin.
+TWO_PI = 2 * math.pi
+# Devices without float64 (Apple MPS) use an exact float32 range reduction instead:
+# m = q * ANGLE_BLOCK + r, and q * theta_i is replaced by q * ((ANGLE_BLOCK * theta_i) mod 2 pi).
 ANGLE_BLOCK = 1024
 
 
-def block_phase(inv_freq_f64: torch.Tensor) -> torch.Tensor:
-    """``(ANGLE_BLOCK * theta_i) mod 2 pi`` in float64, the angle one block of positions adds."""
-    return torch.remainder(inv_freq_f64.double() * ANGLE_BLOCK, 2 * math.pi)
+def supports_float64(device: torch.device) -> bool:
+    return torch.device(device).type != "mps"
 
 
-def rope_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
-    """Angles ``m * theta_i`` modulo 2 pi, float32, shape ``position_ids.shape + (rotary_dim // 2,)``.
+def rope_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Angles ``m * theta_i mod 2 pi`` in float32, shape ``position_ids.shape + (rotary_dim // 2,)``.
+
+    ``inv_freq`` is float64: the product is exact to float64 rounding and the reduction keeps
+    the float32 result within one float32 rounding of the true angle.
+    """
+    return torch.remainder(position_ids[..., None].to(torch.float64) * inv_freq, TWO_PI).to(torch.float32)
+
+
+def rope_angles_float32(position_ids: torch.Tensor, inv_freq: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+    """Float32-only version of :func:`rope_angles` (error ~1e-4 rad up to m = 131072).
 
     Exact identity: ``m * theta = q * (B * theta) + r * theta`` with ``m = q * B + r`` and ``q``
-    an integer, so ``q * (B * theta mod 2 pi)`` gives the same cos/sin. For ``m < B`` this is
-    exactly transformers' ``m.float() * inv_freq``.
+    an integer, so ``q * phase`` with ``phase = (B * theta) mod 2 pi`` (from float64) gives the
+    same cos/sin while every float32 product stays small.
     """
     positions = position_ids.long()
     blocks = torch.div(positions, ANGLE_BLOCK, rounding_mode="floor")
@@ -51,20 +59,31 @@ def rope_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor, phase: torch
 
 @dataclass
 class _Frequencies:
-    """One set of frequencies: float64 master on CPU plus float32 copies per device."""
+    """One set of frequencies: a float64 master on CPU, and device copies made on demand."""
 
     inv_freq_f64: torch.Tensor
     attention_factor: float
-    effective_length: int
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inv_freq float32, exact)``: ``exact`` is float64 inv_freq, or the float32 block
+        phase on devices without float64."""
+        device = torch.device(device)
         if device not in self.on_device:
-            self.on_device[device] = (
-                self.inv_freq_f64.to(device=device, dtype=torch.float32),
-                block_phase(self.inv_freq_f64).to(device=device, dtype=torch.float32),
-            )
+            if supports_float64(device):
+                exact = self.inv_freq_f64.to(device)
+            else:
+                exact = torch.remainder(self.inv_freq_f64 * ANGLE_BLOCK, TWO_PI).to(device=device, dtype=torch.float32)
+            self.on_device[device] = (self.inv_freq_f64.to(device=device, dtype=torch.float32), exact)
         return self.on_device[device]
+
+
+
+def angles_for(position_ids: torch.Tensor, inv_freq: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Angles from the pair returned by ``_Frequencies.tensors``."""
+    if exact.dtype == torch.float64:
+        return rope_angles(position_ids, exact)
+    return rope_angles_float32(position_ids, inv_freq, exact)
 
 
 class ExtendedRotaryEmbedding(nn.Module):
@@ -103,10 +122,10 @@ class ExtendedRotaryEmbedding(nn.Module):
         self._frequencies: dict[int | None, _Frequencies] = {}
 
         initial = self._frequencies_for_length(None)
-        device = original.inv_freq.device
-        inv_freq, phase = initial.tensors(torch.device("cpu"))
-        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        self.register_buffer("inv_freq_block_phase", phase.to(device), persistent=False)
+        inv_freq, exact = initial.tensors(original.inv_freq.device)
+        # Buffers, so that torch.compile and device moves see them; `_apply` keeps their dtypes.
+        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+        self.register_buffer("inv_freq_exact", exact.clone(), persistent=False)
         self.attention_scaling = initial.attention_factor
         self._current = initial
 
@@ -149,25 +168,33 @@ class ExtendedRotaryEmbedding(nn.Module):
                     f"Method {self.method.name!r} returned inv_freq of shape {tuple(inv_freq.shape)}, "
                     f"expected ({self.rotary_dim // 2},)."
                 )
-            cached = _Frequencies(inv_freq, float(attention_factor), key or self.original_max_seq_len)
+            cached = _Frequencies(inv_freq, float(attention_factor))
             if len(self._frequencies) >= 64:  # token-exact lengths visit many values; keep the newest
                 self._frequencies.pop(next(iter(self._frequencies)))
             self._frequencies[key] = cached
         return cached
 
+    _FREQUENCY_BUFFERS = ("inv_freq", "inv_freq_exact")
+
     def _apply(self, fn, recurse=True):
-        # `model.to(torch.bfloat16)` would cast the frequency buffers: put float32 copies back,
-        # recomputed from the float64 master on the buffers' new device.
-        super()._apply(fn, recurse)
-        device = self.inv_freq.device
+        # `model.to(torch.bfloat16)` would cast the frequency buffers (and float64 cannot go to
+        # every device): take them out, move the rest, and rebuild them from the float64 master
+        # on the new device.
+        old_device = self.inv_freq.device
+        saved = {name: self._buffers.pop(name) for name in self._FREQUENCY_BUFFERS}
+        try:
+            super()._apply(fn, recurse)
+            device = fn(torch.zeros((), device=old_device)).device
+        except BaseException:
+            self._buffers.update(saved)
+            raise
+        inv_freq, exact = self._current.tensors(device)
+        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+        self.register_buffer("inv_freq_exact", exact.clone(), persistent=False)
         original = self.original_rotary
         if original.inv_freq.device != device:  # outside the module tree: move it along, keep its dtype
             for name, buffer in list(original.named_buffers(recurse=False)):
                 setattr(original, name, buffer.to(device))
-        if device.type != "meta":
-            inv_freq, phase = self._current.tensors(device)
-            self.inv_freq = inv_freq.clone()
-            self.inv_freq_block_phase = phase.clone()
         return self
 
     # -- forward -----------------------------------------------------------------------------
@@ -183,14 +210,13 @@ class ExtendedRotaryEmbedding(nn.Module):
                 self._current, self.attention_scaling = self._frequencies_for_length(None), 1.0
                 return self.original_rotary(x, position_ids)
             freqs = self._frequencies_for_length(length)
-            inv_freq, phase = freqs.tensors(x.device)
+            inv_freq, exact = freqs.tensors(x.device)
             attention_factor = freqs.attention_factor
             self._current, self.attention_scaling = freqs, attention_factor
         else:
-            inv_freq = self.inv_freq.to(device=x.device, dtype=torch.float32)
-            phase = self.inv_freq_block_phase.to(device=x.device, dtype=torch.float32)
+            inv_freq, exact = self.inv_freq.to(x.device), self.inv_freq_exact.to(x.device)
             attention_factor = self.attention_scaling
-        angles = rope_angles(position_ids.to(x.device), inv_freq, phase)
+        angles = angles_for(position_ids.to(x.device), inv_freq, exact)
         emb = torch.cat((angles, angles), dim=-1)
         cos = emb.cos() * attention_factor
         sin = emb.sin() * attention_factor

@@ -1,0 +1,49 @@
+"""Fine-tune a RoPE model with LoRA to extend its context (PoSE windows optional).
+
+One process (CPU or GPU):
+
+    python examples/finetune_lora.py --model smollm2 --output_dir runs/smollm2-yarn-x4 \
+        --text_files ../shared/data/books/pg1342.txt ../shared/data/books/pg2701.txt \
+        --method yarn --scale 4 --pose --window 2048 --max_steps 100 --learning_rate 2e-4 \
+        --save_steps 25 --seed 0
+
+Several processes (DDP; FSDP and DeepSpeed configs are in examples/accelerate_configs/):
+
+    accelerate launch --config_file examples/accelerate_configs/ddp.yaml examples/finetune_lora.py <same arguments>
+
+Interrupted? Run the same command with --resume: it continues from the newest checkpoint in
+<output_dir>/checkpoints at the same step and data position. Everything is written under
+--output_dir: checkpoints/, adapter/, merged/ (loads with AutoModelForCausalLM.from_pretrained
+after `import hf_rope_ext`), train_log.jsonl and training_summary.json. All arguments:
+`python examples/finetune_lora.py --help`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from transformers import HfArgumentParser
+
+from hf_rope_ext.training import FinetuneConfig, finetune
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = HfArgumentParser(FinetuneConfig)
+    (config,) = parser.parse_args_into_dataclasses(args=argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        summary = finetune(config)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if summary:  # the main process
+        keys = ("method", "scale", "target_length", "pose", "steps", "tokens_seen", "tokens_per_second", "final_loss", "wall_time_s")
+        print(json.dumps({key: summary[key] for key in keys}, indent=2))
+        print(f"Adapter: {config.output_dir}/adapter  Merged model: {config.output_dir}/merged")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Resumable training checkpoints as safetensors + JSON (no pickle anywhere).
+
+A checkpoint is a folder ``step-0000050/`` holding
+
+* ``trainable.safetensors``: the trained parameters (LoRA matrices, trained embeddings/norms);
+* ``optimizer.safetensors`` + ``optimizer.json``: the optimizer's per-parameter state tensors,
+  keyed by parameter name, and its hyper-parameters;
+* ``rng-rank<r>.safetensors`` + ``rng-rank<r>.json``: every process's random number
+  generator states (torch CPU and CUDA, Python, NumPy), so dropout continues identically;
+* ``trainer_state.json``: the step, the data position, the LR scheduler, counters, and what
+  the run was configured with. It is written last.
+
+Writes go to a hidden temporary folder that is renamed into place only when complete, so a run
+killed while saving leaves the previous checkpoints intact and never a partial one under a
+checkpoint name. Only the newest ``keep_last`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "atomic_write_json",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+STATE_FILE = "trainer_state.json"
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def atomic_write_json(path: str | Path, data: Any) -> None:
+    """Write JSON to a temporary file in the same folder, then rename it over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2, sort_keys=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``folder`` as ``(step, path)``, oldest first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        match = _NAME.match(path.name)
+        if match and path.is_dir() and (path / STATE_FILE).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    checkpoints = list_checkpoints(folder)
+    return checkpoints[-1][1] if checkpoints else None
+
+
+# -- pieces ----------------------------------------------------------------------------------
+
+
+def _contiguous_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu").contiguous().clone()
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split ``optimizer.state_dict()`` into tensors keyed ``"<param name>::<state key>"`` and JSON.
+
+    ``names[i]`` is the name of the optimizer's i-th parameter (over all param groups in order).
+    """
+    state = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, entry in state["state"].items():
+        name = names[index]
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}::{key}"] = _contiguous_cpu(value)
+            else:
+                scalars.setdefault(name, {})[key] = value
+    groups = []
+    for group in state["param_groups"]:
+        groups.append({key: (list(value) if isinstance(value, tuple) else value) for key, value in group.items()})
+    return tensors, {"param_names": names, "param_groups": groups, "scalars": scalars}
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: list[str], tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]
+) -> None:
+    """Inverse of :func:`optimizer_state_tensors`; refuses a different set of parameters."""
+    if list(meta["param_names"]) != list(names):
+        saved, now = set(meta["param_names"]), set(names)
+        raise ValueError(
+            "The checkpoint's optimizer state is for different trainable parameters "
+            f"(only in checkpoint: {sorted(saved - now)[:5]}, only in this run: {sorted(now - saved)[:5]}). "
+            "Resume with the same LoRA settings."
+        )
+    index_of = {name: index for index, name in enumerate(names)}
+    state: dict[int, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        name, _, field = key.rpartition("::")
+        state.setdefault(index_of[name], {})[field] = tensor
+    for name, values in meta.get("scalars", {}).items():
+        state.setdefault(index_of[name], {}).update(values)
+    groups = []
+    for group in meta["param_groups"]:
+        groups.append({key: (tuple(value) if key == "betas" else value) for key, value in group.items()})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This process's RNG states: tensors (torch CPU/CUDA) and JSON (Python, NumPy)."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for index, value in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{index}"] = value
+    version, internal, gauss = random.getstate()
+    meta: dict[str, Any] = {"python": [version, list(internal), gauss]}
+    try:
+        import numpy as np
+
+        kind, keys, position, has_gauss, cached = np.random.get_state()
+        meta["numpy"] = [kind, keys.tolist(), int(position), int(has_gauss), float(cached)]
+    except ImportError:  # numpy is optional
+        pass
+    return tensors, meta
+
+
+def set_rng_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[key] for key in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in meta:
+        import numpy as np
+
+        kind, keys, position, has_gauss, cached = meta["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
+
+
+# -- whole checkpoints -------------------------------------------------------------------------
+
+
+def _staging_name(step: int) -> str:
+    return f".tmp-{checkpoint_name(step)}"
+
+
+def save_checkpoint(
+    folder: str | Path,
+    step: int,
+    *,
+    trainable: Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    param_names: list[str],
+    trainer_state: Mapping[str, Any],
+    keep_last: int,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] = lambda: None,
+) -> Path:
+    """Write a checkpoint for ``step`` atomically (see the module docstring).
+
+    Called by every process of a run: each writes its RNG state, the main process (rank 0)
+    everything else, then renames the folder into place and prunes old checkpoints.
+    """
+    folder = Path(folder)
+    final = folder / checkpoint_name(step)
+    staging = folder / _staging_name(step)
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        if staging.exists():  # left by a run killed while saving this step
+            shutil.rmtree(staging)
+        staging.mkdir()
+    barrier()
+    rng_tensors, rng_meta = rng_state()
+    save_file(rng_tensors, str(staging / f"rng-rank{rank}.safetensors"))
+    atomic_write_json(staging / f"rng-rank{rank}.json", rng_meta)
+    if rank == 0:
+        save_file({name: _contiguous_cpu(tensor) for name, tensor in trainable.items()}, str(staging / "trainable.safetensors"))
+        optimizer_tensors, optimizer_meta = optimizer_state_tensors(optimizer, param_names)
+        save_file(optimizer_tensors, str(staging / "optimizer.safetensors"))
+        atomic_write_json(staging / "optimizer.json", optimizer_meta)
+    barrier()
+    if rank == 0:
+        atomic_write_json(staging / STATE_FILE, {**trainer_state, "step": step, "world_size": world_size})
+        if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it whole
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        logger.info("Saved checkpoint %s.", final)
+        for _, old in list_checkpoints(folder)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+            logger.info("Removed old checkpoint %s.", old)
+    barrier()
+    return final
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    optimizer: torch.optim.Optimizer,
+    param_names: list[str],
+    rank: int = 0,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Load a checkpoint: sets the optimizer state and this process's RNG states.
+
+    Returns ``(trainable tensors, trainer state)``; the caller copies the tensors into the model.
+    """
+    path = Path(path)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {STATE_FILE}).")
+    trainer_state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    trainable = load_file(str(path / "trainable.safetensors"))
+    optimizer_meta = json.loads((path / "optimizer.json").read_text(encoding="utf-8"))
+    load_optimizer_state(optimizer, param_names, load_file(str(path / "optimizer.safetensors")), optimizer_meta)
+    rng_file = path / f"rng-rank{rank}.safetensors"
+    if rng_file.is_file():
+        set_rng_state(load_file(str(rng_file)), json.loads((path / f"rng-rank{rank}.json").read_text(encoding="utf-8")))
+    else:
+        logger.warning(
+            "%s has no RNG state for process %d (saved with %s processes): dropout masks will differ "
+            "from an uninterrupted run.",
+            path,
+            rank,
+            trainer_state.get("world_size"),
+        )
+    return trainable, trainer_state

@@ -1,0 +1,676 @@
+"""Short LoRA fine-tunes that extend a RoPE model's context: the whole recipe in one call.
+
+:func:`finetune` loads a model, patches it with :func:`hf_rope_ext.patch_model` (method and
+scale), wraps it with LoRA, trains on long documents cut into windows (full-length or PoSE),
+and writes under ``output_dir``::
+
+    checkpoints/step-0000050/   resumable checkpoints (safetensors + JSON), the newest K kept
+    adapter/                    the peft adapter + rope_patch.json (how to re-patch the base)
+    merged/                     LoRA merged into the patched model: config.json carries the
+                                rope scaling, loads with AutoModelForCausalLM.from_pretrained
+    train_log.jsonl             one line per step: loss, learning rate, tokens/s
+    training_summary.json       what was trained, on what, and how it went
+
+It runs in one process (CPU or GPU) or in several under ``accelerate launch`` (DDP: each
+process takes its own slice of every step's examples; gradients are averaged). The loss of a
+step is the mean over all label tokens of the step, whatever the number of processes, so a
+2-process run with batch 1 computes the same update as a 1-process run with batch 2.
+
+Why the references: Position Interpolation (Chen et al. 2023, arXiv 2306.15595) and YaRN
+(Peng et al., ICLR 2024) reach their results after a few hundred fine-tuning steps at the
+target length; PoSE (Zhu et al., ICLR 2024) makes those steps cost the original context's
+memory; LongLoRA (Chen et al., ICLR 2024) shows LoRA then needs trainable embeddings and norms
+for large extensions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import get_method, get_patch_info, patch_model
+from .. import config_io
+from . import checkpoint as ckpt
+from .lora import LoraSettings, apply_lora
+from .windows import IGNORE_INDEX, PackedWindows
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FinetuneConfig", "finetune", "load_documents", "merge_adapter", "load_adapter_model"]
+
+SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+ROPE_PATCH_FILE = "rope_patch.json"
+SUMMARY_FILE = "training_summary.json"
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass
+class FinetuneConfig:
+    """Every setting of a fine-tuning run (the example script's command-line arguments)."""
+
+    model: str = field(metadata={"help": "base model: a folder, a Hub id, or 'smollm2' (the offline SmolLM2-135M-Instruct)"})
+    output_dir: str = field(metadata={"help": "every output goes here (checkpoints, adapter, merged model, summary)"})
+    # data
+    text_files: list[str] | None = field(default=None, metadata={"help": "UTF-8 text files, one document each"})
+    dataset: str | None = field(default=None, metadata={"help": "a datasets dataset (Hub id or local folder) instead of text files"})
+    dataset_config: str | None = field(default=None, metadata={"help": "dataset configuration name"})
+    dataset_split: str = field(default="train", metadata={"help": "dataset split"})
+    text_field: str = field(default="text", metadata={"help": "dataset column holding the text"})
+    dataset_limit: int | None = field(default=None, metadata={"help": "use at most this many dataset rows"})
+    skip_short_documents: bool = field(default=False, metadata={"help": "drop documents shorter than a window instead of failing"})
+    shuffle: bool = field(default=True, metadata={"help": "visit windows in a seeded random order each epoch"})
+    # context extension
+    method: str = field(default="yarn", metadata={"help": "RoPE scaling method (hf-rope-ext methods lists them)"})
+    scale: float | None = field(default=None, metadata={"help": "extension factor s: target length = s x original context"})
+    target_length: int | None = field(default=None, metadata={"help": "target context in tokens (instead of --scale)"})
+    original_context: int | None = field(default=None, metadata={"help": "context the model was trained on (default: config.max_position_embeddings)"})
+    method_params: str | None = field(default=None, metadata={"help": 'the method\'s own parameters as JSON, e.g. \'{"beta_fast": 32}\''})
+    pose: bool = field(default=False, metadata={"help": "PoSE: short windows whose position ids are spread over the target length"})
+    window: int | None = field(default=None, metadata={"help": "tokens per example (default: original context with --pose, else the target length)"})
+    # LoRA
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank r"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (update scaled by alpha / r)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
+    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "linear layer names to adapt (default: all but the output head)"})
+    train_embeddings: bool = field(default=False, metadata={"help": "also train the input embeddings (LongLoRA)"})
+    train_norms: bool = field(default=False, metadata={"help": "also train the normalization layers (LongLoRA)"})
+    # optimisation
+    max_steps: int = field(default=200, metadata={"help": "optimizer steps"})
+    learning_rate: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warmup steps"})
+    lr_scheduler: str = field(default="constant", metadata={"help": "after warmup: constant, linear or cosine decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip the gradient norm (0: no clipping)"})
+    per_device_batch_size: int = field(default=1, metadata={"help": "examples per process per micro-batch"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    seed: int = field(default=0, metadata={"help": "seed for LoRA initialisation, data order, PoSE draws and dropout"})
+    # memory savers
+    bf16: bool = field(default=False, metadata={"help": "bfloat16 base weights and autocast (LoRA weights stay float32)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in the backward pass"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager, flash_attention_2 or flash_attention_3"})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: 4-bit NF4 base model (needs bitsandbytes and CUDA)"})
+    # checkpoints and outputs
+    save_steps: int = field(default=0, metadata={"help": "write a resumable checkpoint every N steps (0: never)"})
+    save_total_limit: int = field(default=2, metadata={"help": "keep the newest N checkpoints"})
+    resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in output_dir/checkpoints"})
+    save_merged: bool = field(default=True, metadata={"help": "also write the merged model (LoRA folded into the weights)"})
+
+    def validate(self) -> None:
+        """Checks that need neither the model nor the data; raises ``ValueError`` naming the fix."""
+        if not self.output_dir:
+            raise ValueError("output_dir is required: every output of the run is written under it.")
+        if not self.text_files and not self.dataset:
+            raise ValueError("No training text: give --text_files FILE [FILE ...] or --dataset NAME.")
+        if self.text_files and self.dataset:
+            raise ValueError("Give either --text_files or --dataset, not both.")
+        if self.scale is None and self.target_length is None:
+            raise ValueError("Give --scale (e.g. 4) or --target_length (tokens) for the context to reach.")
+        for name in ("max_steps", "per_device_batch_size", "gradient_accumulation_steps", "save_total_limit", "lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name} must be a positive integer, got {value!r}.")
+        for name in ("save_steps", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}.")
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(f"--warmup_steps ({self.warmup_steps}) must be smaller than --max_steps ({self.max_steps}).")
+        if not self.learning_rate > 0:
+            raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
+        if self.lr_scheduler not in SCHEDULERS:
+            raise ValueError(f"--lr_scheduler must be one of {sorted(SCHEDULERS)}, got {self.lr_scheduler!r}.")
+        if self.window is not None and self.window < 2:
+            raise ValueError(f"--window must be at least 2 tokens, got {self.window}.")
+        get_method(self.method)  # raises with the list of methods
+        self.parsed_method_params()
+        if self.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"--attn_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {self.attn_implementation!r}.")
+        if self.attn_implementation.startswith("flash_attention"):
+            module = "flash_attn" if self.attn_implementation == "flash_attention_2" else "flash_attn_interface"
+            try:
+                __import__(module)
+            except ImportError:
+                raise ValueError(
+                    f"--attn_implementation {self.attn_implementation} needs the {module} package, which is not "
+                    "installed (pip install flash-attn --no-build-isolation; CUDA only). Use --attn_implementation sdpa."
+                ) from None
+            if not torch.cuda.is_available():
+                raise ValueError(f"--attn_implementation {self.attn_implementation} runs on CUDA only; use sdpa on CPU.")
+            if not (self.bf16 or self.load_in_4bit):
+                raise ValueError(f"--attn_implementation {self.attn_implementation} needs half precision: add --bf16.")
+        if self.load_in_4bit:
+            try:
+                import bitsandbytes  # noqa: F401
+            except ImportError:
+                raise ValueError(
+                    "--load_in_4bit (QLoRA) needs the bitsandbytes package, which is not installed: "
+                    "pip install bitsandbytes (CUDA only)."
+                ) from None
+            if not torch.cuda.is_available():
+                raise ValueError("--load_in_4bit (QLoRA) needs a CUDA GPU; bitsandbytes 4-bit layers do not train on CPU.")
+        if self.save_steps > self.max_steps:
+            logger.warning("--save_steps %d is beyond --max_steps %d: no intermediate checkpoint will be written.", self.save_steps, self.max_steps)
+
+    def parsed_method_params(self) -> dict[str, Any]:
+        if not self.method_params:
+            return {}
+        try:
+            params = json.loads(self.method_params)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--method_params must be a JSON object, e.g. '{{\"beta_fast\": 32}}': {error}") from None
+        if not isinstance(params, dict):
+            raise ValueError(f"--method_params must be a JSON object, got {self.method_params!r}.")
+        return params
+
+    def lora_settings(self) -> LoraSettings:
+        return LoraSettings(
+            rank=self.lora_rank,
+            alpha=self.lora_alpha,
+            dropout=self.lora_dropout,
+            target_modules=self.lora_target_modules,
+            train_embeddings=self.train_embeddings,
+            train_norms=self.train_norms,
+        )
+
+
+@dataclass(frozen=True)
+class _Lengths:
+    original: int
+    target: int
+    scale: float
+    window: int
+
+
+def _resolve_lengths(config: FinetuneConfig, model_config: Any) -> _Lengths:
+    original = config.original_context or getattr(model_config, "max_position_embeddings", None)
+    if not original:
+        raise ValueError("The model config has no max_position_embeddings; pass --original_context.")
+    if config.scale is not None and config.target_length is not None:
+        if config.target_length != math.ceil(original * config.scale):
+            raise ValueError(
+                f"--scale {config.scale} and --target_length {config.target_length} disagree: with an original "
+                f"context of {original}, scale {config.scale} means {math.ceil(original * config.scale)} tokens. Give one."
+            )
+    if config.target_length is not None:
+        target, scale = int(config.target_length), config.target_length / original
+    else:
+        scale, target = float(config.scale), math.ceil(original * config.scale)
+    if target <= original:
+        raise ValueError(
+            f"The target length ({target} tokens) must be beyond the original context of {original} tokens "
+            "(scale > 1); there is nothing to extend."
+        )
+    if config.pose:
+        window = config.window or original
+        if window > original:
+            raise ValueError(
+                f"PoSE windows must fit the original context: --window {window} > {original}. "
+                "Use a smaller --window, or drop --pose to train on full-length windows."
+            )
+    else:
+        window = config.window or target
+        if window > target:
+            raise ValueError(f"--window {window} is longer than the target length {target}.")
+        if window < target:
+            logger.warning(
+                "Training on %d-token windows without PoSE: positions %d..%d are never trained. Add --pose to "
+                "spread the positions over the target length.", window, window, target - 1,
+            )
+    return _Lengths(original, target, scale, window)
+
+
+def load_documents(config: FinetuneConfig, tokenizer) -> tuple[list[torch.Tensor], list[str]]:
+    """Tokenized documents and their names, from ``config.text_files`` or ``config.dataset``."""
+    from ..data import iter_dataset_texts, read_text, tokenize
+
+    documents, names = [], []
+    if config.text_files:
+        for path in config.text_files:
+            documents.append(tokenize(tokenizer, read_text(path)))
+            names.append(str(path))
+    else:
+        for index, text in enumerate(
+            iter_dataset_texts(config.dataset, config.dataset_split, config.text_field, config.dataset_config, config.dataset_limit)
+        ):
+            if text and text.strip():
+                documents.append(tokenize(tokenizer, text))
+                names.append(f"{config.dataset}[{index}]")
+        if not documents:
+            raise ValueError(f"Dataset {config.dataset} (split {config.dataset_split!r}) has no non-empty {config.text_field!r} text.")
+    return documents, names
+
+
+# -- model ---------------------------------------------------------------------------------------
+
+
+def _load_base(config: FinetuneConfig, path: str, device: torch.device, quantized: bool):
+    from ..loading import load_model
+
+    kwargs: dict[str, Any] = {}
+    if quantized:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        kwargs["device_map"] = {"": device}
+    model, tokenizer = load_model(
+        path,
+        dtype="bf16" if (config.bf16 or quantized) else "fp32",
+        device=str(device),
+        attn_implementation=config.attn_implementation,
+        **kwargs,
+    )
+    return model, tokenizer
+
+
+def _patch(model, lengths: _Lengths, method: str, params: dict[str, Any]) -> None:
+    patch_model(model, lengths.scale, method, original_max_length=lengths.original, **params)
+
+
+def _rope_patch_record(model) -> dict[str, Any]:
+    """The patch as :mod:`hf_rope_ext.config_io` records it in the config (JSON-ready)."""
+    if get_patch_info(model) is None:
+        raise RuntimeError("The model is not patched.")
+    return config_io.read_record(model.config)
+
+
+def _patch_from_record(model, record: dict[str, Any]) -> None:
+    extra = {"steps_per_doubling": record["steps_per_doubling"]} if "steps_per_doubling" in record else {}
+    patch_model(
+        model,
+        record["scale"],
+        record["method"],
+        original_max_length=record["original_max_position_embeddings"],
+        **extra,
+        **record["params"],
+    )
+
+
+def load_adapter_model(base_model: str, adapter_dir: str | os.PathLike, *, dtype: str = "fp32", attn_implementation: str = "sdpa"):
+    """The base model, patched as recorded in ``adapter_dir/rope_patch.json``, with the adapter on top.
+
+    Returns ``(peft_model, tokenizer)`` in eval mode, on CPU.
+    """
+    from peft import PeftModel
+
+    from ..loading import load_model
+
+    record = json.loads((Path(adapter_dir) / ROPE_PATCH_FILE).read_text(encoding="utf-8"))
+    model, tokenizer = load_model(base_model, dtype=dtype, device="cpu", attn_implementation=attn_implementation)
+    _patch_from_record(model, record)
+    return PeftModel.from_pretrained(model, str(adapter_dir)).eval(), tokenizer
+
+
+def merge_adapter(base_model: str, adapter_dir: str | os.PathLike, *, dtype: str = "fp32"):
+    """The LoRA of ``adapter_dir`` merged into the patched base model (unquantized), and its tokenizer.
+
+    Use it to merge an adapter trained on a 4-bit base: merging into 4-bit weights would round
+    the update away, so the base is loaded again in ``dtype``.
+    """
+    peft_model, tokenizer = load_adapter_model(base_model, adapter_dir, dtype=dtype)
+    return peft_model.merge_and_unload(), tokenizer
+
+
+# -- output folders --------------------------------------------------------------------------------
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Move a finished folder into place; an older one of the same name is removed only afterwards."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(staging, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _staging_dir(output_dir: Path, name: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=output_dir))
+
+
+def _check_output_dir(config: FinetuneConfig, output_dir: Path) -> Path | None:
+    """The checkpoint to resume from, if any; refuses to overwrite an earlier run's outputs."""
+    checkpoints = output_dir / "checkpoints"
+    latest = ckpt.latest_checkpoint(checkpoints)
+    finished = [name for name in ("adapter", "merged", SUMMARY_FILE) if (output_dir / name).exists()]
+    if config.resume:
+        if latest is None:
+            raise ValueError(f"--resume: no checkpoint in {checkpoints}. Run without --resume to start afresh.")
+        return latest
+    if latest is not None or finished:
+        found = [latest.name] if latest is not None else finished
+        raise ValueError(
+            f"{output_dir} already holds a run ({', '.join(found)}). Pass --resume to continue it from its newest "
+            "checkpoint, or choose a new --output_dir; nothing is overwritten."
+        )
+    return None
+
+
+def _run_fingerprint(config: FinetuneConfig, lengths: _Lengths, global_batch: int) -> dict[str, Any]:
+    """Settings a resumed run must share with the run that wrote the checkpoint."""
+    keys = ("method", "method_params", "pose", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules",
+            "train_embeddings", "train_norms", "max_steps", "learning_rate", "weight_decay", "warmup_steps",
+            "lr_scheduler", "max_grad_norm", "seed", "shuffle", "load_in_4bit", "bf16")
+    fingerprint = {key: getattr(config, key) for key in keys}
+    fingerprint.update(asdict(lengths))
+    fingerprint["global_batch"] = global_batch
+    return fingerprint
+
+
+def _check_resume_state(state: dict[str, Any], run: dict[str, Any], data: dict[str, Any]) -> None:
+    for label, saved, now in (("settings", state.get("run"), run), ("training data", state.get("data"), data)):
+        if saved != now:
+            differing = sorted(key for key in set(saved or {}) | set(now) if (saved or {}).get(key) != now.get(key))
+            details = ", ".join(f"{key}: {(saved or {}).get(key)!r} -> {now.get(key)!r}" for key in differing[:6])
+            raise ValueError(
+                f"Cannot resume: the checkpoint was written with different {label} ({details}). "
+                "Resume with the same arguments and data, or start a new --output_dir."
+            )
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+def finetune(config: FinetuneConfig) -> dict[str, Any]:
+    """Run the whole recipe (see the module docstring); returns the training summary.
+
+    Every input error is raised before the first training step.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, set_seed
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig, get_scheduler
+
+    from ..loading import resolve_model_path
+
+    started = time.perf_counter()
+    config.validate()
+    accelerator = Accelerator(mixed_precision="bf16" if config.bf16 else "no")
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    if sharded and (config.save_steps or config.resume):
+        raise ValueError(
+            f"Resumable checkpoints (--save_steps, --resume) are implemented for one process and DDP; under "
+            f"{accelerator.distributed_type.value} the optimizer state is sharded. Drop --save_steps/--resume or use DDP."
+        )
+    output_dir = Path(config.output_dir)
+    resume_from = _check_output_dir(config, output_dir)
+    main = accelerator.is_main_process
+    world = accelerator.num_processes
+    rank = accelerator.process_index
+
+    model_path = resolve_model_path(config.model)
+    lengths = _resolve_lengths(config, AutoConfig.from_pretrained(model_path))
+    method_params = config.parsed_method_params()
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    documents, names = load_documents(config, tokenizer)
+    windows = PackedWindows(
+        documents,
+        lengths.window,
+        target_length=lengths.target,
+        pose=config.pose,
+        names=names,
+        skip_short_documents=config.skip_short_documents,
+        seed=config.seed,
+        shuffle=config.shuffle,
+    )
+    micro = config.per_device_batch_size
+    global_batch = micro * world * config.gradient_accumulation_steps
+    if global_batch > len(windows):
+        logger.warning("One step uses %d examples but there are only %d windows: examples repeat within a step.", global_batch, len(windows))
+    run_fingerprint = _run_fingerprint(config, lengths, global_batch)
+
+    # -- model ----------------------------------------------------------------------------------
+    set_seed(config.seed)
+    model, _ = _load_base(config, model_path, accelerator.device, config.load_in_4bit)
+    model.config.use_cache = False
+    _patch(model, lengths, config.method, method_params)
+    rope_record = _rope_patch_record(model)
+    if config.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing)
+    if config.gradient_checkpointing:
+        # Non-reentrant checkpointing works with DDP and needs no input gradients for LoRA.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_seed(config.seed)  # LoRA initialisation does not depend on what loading consumed
+    lora = config.lora_settings()
+    model = apply_lora(model, lora)
+    trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    param_names = [name for name, _ in trainable]
+    optimizer = torch.optim.AdamW([param for _, param in trainable], lr=config.learning_rate, weight_decay=config.weight_decay)
+    scheduler = get_scheduler(SCHEDULERS[config.lr_scheduler], optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=config.max_steps)
+
+    # -- resume ----------------------------------------------------------------------------------
+    step, tokens_seen, train_time, losses = 0, 0, 0.0, []
+    resume_state = None
+    if resume_from is not None:
+        trained, resume_state = ckpt.load_checkpoint(resume_from, optimizer=optimizer, param_names=param_names, rank=rank)
+        _check_resume_state(resume_state, run_fingerprint, windows.fingerprint())
+        with torch.no_grad():
+            for name, param in trainable:
+                param.copy_(trained[name].to(param.dtype))
+        scheduler.load_state_dict(resume_state["scheduler"])
+        step, tokens_seen = resume_state["step"], resume_state["tokens_seen"]
+        train_time, losses = resume_state["train_time_s"], list(resume_state["losses"])
+        if resume_state.get("world_size") != world:
+            logger.warning("Resuming with %d processes; the checkpoint was written with %s.", world, resume_state.get("world_size"))
+        # load_checkpoint also restored the RNG states; nothing below draws from them before training.
+        logger.info("Resuming from %s at step %d (example %d).", resume_from, step, step * global_batch)
+
+    model, optimizer = accelerator.prepare(model, optimizer)
+    unwrapped = accelerator.unwrap_model(model)
+    if main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_log(output_dir / LOG_FILE, step)
+
+    def checkpoint_state() -> dict[str, Any]:
+        return {
+            "step": step,
+            "examples_consumed": step * global_batch,
+            "tokens_seen": tokens_seen,
+            "train_time_s": train_time,
+            "losses": losses,
+            "scheduler": scheduler.state_dict(),
+            "run": run_fingerprint,
+            "data": windows.fingerprint(),
+        }
+
+    def save_checkpoint() -> None:
+        ckpt.save_checkpoint(
+            output_dir / "checkpoints",
+            step,
+            trainable={name: param for name, param in unwrapped.named_parameters() if param.requires_grad},
+            optimizer=optimizer,
+            param_names=param_names,
+            trainer_state=checkpoint_state(),
+            keep_last=config.save_total_limit,
+            rank=rank,
+            world_size=world,
+            barrier=accelerator.wait_for_everyone,
+        )
+
+    # -- train ------------------------------------------------------------------------------------
+    model.train()
+    tokens_per_step = global_batch * lengths.window
+    progress = tqdm(total=config.max_steps, initial=step, desc="fine-tuning", unit="step", disable=not main, dynamic_ncols=True)
+    logger.info(
+        "Training %s (%s, scale %g: %d -> %d tokens) for %d steps of %d x %d tokens%s on %d process(es).",
+        config.model, config.method, lengths.scale, lengths.original, lengths.target, config.max_steps,
+        global_batch, lengths.window, " (PoSE)" if config.pose else "", world,
+    )
+    run_started = time.perf_counter()
+    run_start_tokens = tokens_seen
+    while step < config.max_steps:
+        step_started = time.perf_counter()
+        first = step * global_batch
+        step_indices = list(range(first, first + global_batch))
+        # The loss is a sum over every label token of the step divided by their number, so the
+        # update is the same for any split over processes and micro-batches.
+        label_tokens = sum(int((windows.example(i)["labels"][1:] != IGNORE_INDEX).sum()) for i in step_indices)
+        local_loss = torch.zeros((), device=accelerator.device)
+        for micro_step in range(config.gradient_accumulation_steps):
+            offset = micro_step * world * micro + rank * micro
+            batch = windows.batch(step_indices[offset : offset + micro])
+            batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+            last = micro_step == config.gradient_accumulation_steps - 1
+            sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
+            with sync, accelerator.autocast():
+                output = model(**batch, num_items_in_batch=torch.tensor(label_tokens, device=accelerator.device))
+                # DDP averages gradients over processes; scale back up so they sum.
+                accelerator.backward(output.loss * world)
+            local_loss += output.loss.detach()
+        if config.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = float(accelerator.reduce(local_loss, reduction="sum"))
+        if not math.isfinite(step_loss):
+            raise FloatingPointError(f"The loss became {step_loss} at step {step + 1}; lower --learning_rate or check the data.")
+        step += 1
+        tokens_seen += tokens_per_step
+        step_time = time.perf_counter() - step_started
+        train_time += step_time
+        losses.append(step_loss)
+        speed = (tokens_seen - run_start_tokens) / max(time.perf_counter() - run_started, 1e-9)
+        progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{speed:.0f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+        progress.update(1)
+        if main:
+            _append_log(output_dir / LOG_FILE, {
+                "step": step, "loss": step_loss, "learning_rate": scheduler.get_last_lr()[0],
+                "tokens_seen": tokens_seen, "step_time_s": round(step_time, 4), "tokens_per_second": round(tokens_per_step / step_time, 2),
+            })
+        if config.save_steps and (step % config.save_steps == 0 or step == config.max_steps):
+            save_checkpoint()
+    progress.close()
+    model.eval()
+
+    # -- outputs ----------------------------------------------------------------------------------
+    state_dict = accelerator.get_state_dict(model)  # every process takes part (gathers shards under FSDP)
+    summary: dict[str, Any] = {}
+    if main:
+        adapter_dir = output_dir / "adapter"
+        staging = _staging_dir(output_dir, "adapter")
+        try:
+            unwrapped.save_pretrained(str(staging), state_dict=state_dict)
+            ckpt.atomic_write_json(staging / ROPE_PATCH_FILE, rope_record)
+            tokenizer.save_pretrained(str(staging))
+            _publish(staging, adapter_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        merged_dir = output_dir / "merged"
+        if config.save_merged:
+            staging = _staging_dir(output_dir, "merged")
+            try:
+                if config.load_in_4bit or sharded:
+                    # 4-bit weights would round the LoRA update away; sharded weights are not local.
+                    gc.collect()
+                    merged, _ = merge_adapter(model_path, adapter_dir, dtype="bf16" if config.bf16 or config.load_in_4bit else "fp32")
+                else:
+                    merged = unwrapped.merge_and_unload()
+                merged.config.use_cache = True
+                merged.save_pretrained(str(staging))
+                tokenizer.save_pretrained(str(staging))
+                _publish(staging, merged_dir)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        summary = {
+            "base_model": config.model,
+            "base_model_path": str(model_path),
+            "method": config.method,
+            "method_params": method_params,
+            "rope_patch": rope_record,
+            "scale": lengths.scale,
+            "original_context": lengths.original,
+            "target_length": lengths.target,
+            "pose": config.pose,
+            "window": lengths.window,
+            "steps": step,
+            "examples_per_step": global_batch,
+            "per_device_batch_size": micro,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps,
+            "num_processes": world,
+            "lora": {
+                "rank": lora.rank,
+                "alpha": lora.alpha,
+                "dropout": lora.dropout,
+                "target_modules": lora.resolved_targets,
+                "modules_to_save": lora.modules_to_save,
+                "trainable_params": sum(param.numel() for _, param in trainable),
+            },
+            "learning_rate": config.learning_rate,
+            "lr_scheduler": config.lr_scheduler,
+            "warmup_steps": config.warmup_steps,
+            "weight_decay": config.weight_decay,
+            "max_grad_norm": config.max_grad_norm,
+            "seed": config.seed,
+            "precision": "bf16" if config.bf16 else "fp32",
+            "load_in_4bit": config.load_in_4bit,
+            "gradient_checkpointing": config.gradient_checkpointing,
+            "attn_implementation": config.attn_implementation,
+            "tokens_seen": tokens_seen,
+            "train_time_s": round(train_time, 3),
+            "tokens_per_second": round(tokens_seen / train_time, 2) if train_time else None,
+            "final_loss": losses[-1] if losses else None,
+            "losses": losses,
+            "wall_time_s": round(time.perf_counter() - started, 3),
+            "resumed_from_step": resume_state["step"] if resume_state else None,
+            "data_files": list(config.text_files or []),
+            "dataset": config.dataset,
+            "data_windows": len(windows),
+            "data_tokens": windows.num_tokens,
+            "adapter_dir": "adapter",
+            "merged_dir": "merged" if config.save_merged else None,
+            "device": str(accelerator.device),
+            "versions": _versions(),
+        }
+        ckpt.atomic_write_json(output_dir / SUMMARY_FILE, summary)
+        logger.info("Wrote %s (final loss %.4f, %.0f tokens/s).", output_dir, summary["final_loss"] or float("nan"), summary["tokens_per_second"] or 0)
+    accelerator.wait_for_everyone()
+    return summary
+
+
+def _versions() -> dict[str, str]:
+    import accelerate
+    import peft
+    import transformers
+
+    from .. import __version__
+
+    return {"hf_rope_ext": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__, "accelerate": accelerate.__version__}
+
+
+def _append_log(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep the log lines up to ``step`` (a resumed run rewrites what came after its checkpoint)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(staging, path)

@@ -1,0 +1,177 @@
+"""Generation with the KV cache past the original context equals full forward passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ORIGINAL_CONTEXT, make_model, native_twin, random_ids
+from transformers import DynamicCache
+
+from hf_rope_ext import patch_model, unpatch_model
+
+L0 = ORIGINAL_CONTEXT
+LONG_FACTOR = [1.0 + 0.5 * i for i in range(8)]
+TOLERANCE = 2e-5
+
+
+def _extra(method):
+    return {"long_factor": LONG_FACTOR} if method == "longrope" else {}
+
+
+def generation_vs_full_forward(model, prompt, new_tokens, attention_mask=None, **generate_kwargs):
+    """Largest difference between each generation step's logits and a full forward over the same tokens."""
+    out = model.generate(
+        prompt,
+        attention_mask=attention_mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **generate_kwargs,
+    )
+    sequences = out.sequences
+    prompt_length = prompt.shape[1]
+    if attention_mask is None:
+        attention_mask = torch.ones_like(prompt)
+    full_mask = torch.cat([attention_mask, torch.ones(prompt.shape[0], new_tokens, dtype=attention_mask.dtype)], 1)
+    worst = 0.0
+    with torch.no_grad():
+        for step, step_logits in enumerate(out.logits):
+            length = prompt_length + step
+            position_ids = (full_mask[:, :length].cumsum(-1) - 1).clamp(min=0)
+            full = model(sequences[:, :length], attention_mask=full_mask[:, :length], position_ids=position_ids).logits
+            worst = max(worst, (full[:, -1] - step_logits).abs().max().item())
+    return worst
+
+
+STATIC = ["linear", "ntk", "yarn", "llama3"]
+DYNAMIC = ["dynamic", "dynamic-yarn", "dynamic-linear", "longrope"]
+
+
+@pytest.mark.parametrize("method", STATIC + DYNAMIC)
+def test_generation_matches_full_forward(method):
+    model = make_model("llama")
+    patch_model(model, scale=4, method=method, **_extra(method))
+    worst = generation_vs_full_forward(model, random_ids(L0 - 12), new_tokens=3 * L0)
+    assert worst < TOLERANCE, f"{method}: generation differs from a full forward by {worst}"
+
+
+@pytest.mark.parametrize("method", ["yarn", "dynamic-yarn"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_generation_matches_full_forward_other_families(family, method):
+    model = make_model(family)
+    patch_model(model, scale=4, method=method)
+    worst = generation_vs_full_forward(model, random_ids(L0 - 12), new_tokens=2 * L0)
+    assert worst < TOLERANCE, f"{method}: generation differs from a full forward by {worst}"
+
+
+@pytest.mark.parametrize("method", ["dynamic", "dynamic-yarn"])
+def test_token_exact_dynamic_generation_matches_full_forward(method):
+    # steps_per_doubling=None: the frequencies change at every token, the cached states are recomputed each time.
+    model = make_model("llama")
+    patch_model(model, scale=4, method=method, steps_per_doubling=None)
+    assert generation_vs_full_forward(model, random_ids(L0 - 4), new_tokens=L0) < TOLERANCE
+
+
+def test_transformers_dynamic_does_not_match_but_ours_does():
+    """transformers issue 25104: its dynamic type keeps stale rotations in the cache."""
+    model = make_model("llama")
+    theirs = native_twin(model, {"rope_type": "dynamic", "factor": 4.0}, L0)
+    prompt = random_ids(L0 - 4)
+    their_error = generation_vs_full_forward(theirs, prompt, new_tokens=2 * L0)
+    patch_model(model, scale=4, method="dynamic", steps_per_doubling=None)  # the very same frequencies as theirs
+    our_error = generation_vs_full_forward(model, prompt, new_tokens=2 * L0)
+    assert their_error > 1e-2
+    assert our_error < TOLERANCE
+
+
+def test_left_padded_batch(family):
+    model = make_model(family)
+    patch_model(model, scale=4, method="dynamic-yarn")
+    prompt = random_ids(L0 - 8, batch=3)
+    mask = torch.ones_like(prompt)
+    mask[0, :11] = 0  # left padding of different widths
+    mask[2, :5] = 0
+    prompt = prompt.masked_fill(mask == 0, 0)
+    assert generation_vs_full_forward(model, prompt, new_tokens=2 * L0, attention_mask=mask) < TOLERANCE
+
+
+def test_static_method_left_padding_matches_unpadded_rows():
+    model = make_model("llama")
+    patch_model(model, scale=4, method="yarn")
+    short = random_ids(20, seed=3)
+    long = random_ids(30, seed=4)
+    batch = torch.cat([torch.cat([torch.zeros(1, 10, dtype=torch.long), short], 1), long])
+    mask = (batch != 0).long()
+    mask[1] = 1
+    kwargs = dict(max_new_tokens=50, do_sample=False, pad_token_id=0)
+    together = model.generate(batch, attention_mask=mask, **kwargs)
+    alone = model.generate(short, attention_mask=torch.ones_like(short), **kwargs)
+    assert torch.equal(together[0, 10:], alone[0])
+
+
+@pytest.mark.parametrize("method", ["dynamic-yarn", "yarn"])
+def test_sliding_window_cache(method):
+    # Mistral with a sliding window shorter than the sequence: sliding cache layers drop old tokens.
+    model = make_model("mistral", sliding_window=24)
+    patch_model(model, scale=4, method=method)
+    assert generation_vs_full_forward(model, random_ids(L0 - 10), new_tokens=2 * L0) < TOLERANCE
+
+
+def test_static_cache():
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    worst = generation_vs_full_forward(model, random_ids(L0 - 10), new_tokens=2 * L0, cache_implementation="static")
+    assert worst < TOLERANCE
+
+
+def test_beam_search_scores_match_full_forwards():
+    # Beam search reorders the cache; the recomputed states must follow the reordered rows.
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    prompt = random_ids(L0 - 6)
+    new_tokens = 2 * L0
+    out = model.generate(
+        prompt,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        num_beams=3,
+        do_sample=False,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        length_penalty=0.0,
+    )
+    best = out.sequences[0]
+    # The winning beam's score is the sum of its tokens' log-probabilities, each computed by a
+    # full forward over the tokens before it (the frequencies depend on that prefix's length).
+    total = 0.0
+    with torch.no_grad():
+        for step in range(new_tokens):
+            length = prompt.shape[1] + step
+            logits = model(best[None, :length]).logits[0, -1]
+            total += torch.log_softmax(logits.float(), -1)[best[length]].item()
+    assert total == pytest.approx(out.sequences_scores[0].item(), abs=1e-3)
+
+
+def test_manual_cache_loop_and_foreign_cache():
+    model = make_model("qwen2")
+    ids = random_ids(3 * L0)
+    with torch.no_grad():
+        full = model(ids).logits  # unpatched
+        stale = model(ids[:, : L0 + 5], use_cache=True).past_key_values  # filled before patching
+        patch_model(model, scale=4, method="dynamic")
+        patched_full = model(ids).logits
+        assert not torch.allclose(patched_full, full, atol=1e-3)
+        cache = DynamicCache(config=model.config)
+        for start, end in [(0, 20), (20, 45), (45, 46), (46, 3 * L0)]:
+            chunk = model(ids[:, start:end], past_key_values=cache, use_cache=True).logits
+            # Each chunk's logits are those of a full forward over everything up to its end.
+            reference = model(ids[:, :end]).logits[:, start:end]
+            torch.testing.assert_close(chunk, reference, rtol=0, atol=TOLERANCE)
+        torch.testing.assert_close(chunk, patched_full[:, 46:], rtol=0, atol=TOLERANCE)
+        with pytest.raises(RuntimeError, match="fresh cache"):
+            model(ids[:, L0 + 5 : L0 + 6], past_key_values=stale, use_cache=True)
+    unpatch_model(model)
