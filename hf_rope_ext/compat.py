@@ -33,7 +33,10 @@ except ImportError as error:  # pragma: no cover - only on unsupported versions
         "pip install -U 'transformers>=5,<6'"
     ) from error
 
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402  (the registry transformers reads)
+from transformers.modeling_rope_utils import (  # noqa: E402
+    ROPE_INIT_FUNCTIONS,  # the registry transformers reads
+    RotaryEmbeddingConfigMixin,
+)
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -89,15 +92,28 @@ def write_rope_config(config: Any, new_parameters: dict[str, Any], max_position_
     """Replace the RoPE parameters in place and check them the way transformers does.
 
     The dict is mutated, never reassigned: assigning a fresh dict to ``config.rope_parameters``
-    loses keys that transformers filled in at load time (``rope_theta``).
+    loses keys that transformers filled in at load time (``rope_theta``). If the config class
+    rejects the new parameters, the config is left as it was and the error names the model type.
     """
+    saved = snapshot_config(config, ())
     live = config.rope_parameters
     live.clear()
     live.update(new_parameters)
-    config.max_position_embeddings = int(max_position_embeddings)
-    if not new_parameters["rope_type"].startswith("hf_rope_ext."):  # transformers has no validator for ours
-        config.standardize_rope_params()
-        config.validate_rope()
+    try:
+        config.max_position_embeddings = int(max_position_embeddings)
+        if not new_parameters["rope_type"].startswith("hf_rope_ext."):
+            config.standardize_rope_params()
+            config.validate_rope()
+        elif type(config).validate_rope is not RotaryEmbeddingConfigMixin.validate_rope:
+            # Some config classes restrict the rope types they accept (Phi-3: longrope only);
+            # the generic validator only warns that it has no checks for our types.
+            config.validate_rope()
+    except Exception as error:
+        restore_config(config, saved)
+        raise ValueError(
+            f"model_type {getattr(config, 'model_type', '?')!r}: its config rejects rope_type "
+            f"{new_parameters['rope_type']!r}: {error}"
+        ) from error
 
 
 _MISSING = object()

@@ -1,63 +1,100 @@
 """How a patch is written into a transformers config, and read back.
 
-Convention for the context length fields (the same in memory and in saved ``config.json``):
+The convention (the same in memory, in a saved ``config.json`` and on the Hub):
 
 * ``rope_parameters`` describes the patched frequencies in transformers' own vocabulary
   whenever transformers has the method (``linear``, ``dynamic``, ``yarn``, ``llama3``,
   ``longrope``; ``ntk`` is plain RoPE with a raised ``rope_theta``), so plain transformers
   and vLLM rebuild the same frequencies without this package.
 * ``rope_parameters["original_max_position_embeddings"]`` holds the context the model was
-  trained on wherever transformers accepts that key (yarn, llama3, longrope and this package's
-  own types).
-* ``max_position_embeddings`` is the extended context (original x scale) for static methods.
-  Length-dependent methods keep the original value there, because transformers' ``dynamic``
-  and vLLM read ``max_position_embeddings`` as the length where dynamic scaling starts.
+  trained on for every type that has the key (yarn, llama3, longrope and this package's own
+  types). Both vLLM and llama.cpp's GGUF converter read the original context from there.
+* ``max_position_embeddings`` is the extended context ``ceil(original * scale)``: llama.cpp's
+  converter writes it as ``{arch}.context_length`` (the default ``--ctx-size``), and vLLM takes
+  it as the maximum model length for ``default`` (ntk), ``llama3`` and ``longrope`` (vLLM's
+  longrope also derives its attention factor from ``max_position_embeddings / original``).
+  The one exception is a rope type whose name contains ``"dynamic"`` (``dynamic``,
+  ``dynamic-yarn``, ``dynamic-linear``, user length-dependent methods): there
+  ``max_position_embeddings`` stays at the original context, because transformers recomputes
+  frequencies only for inputs longer than it (``dynamic_rope_update``), transformers' and
+  vLLM's ``dynamic`` formulas divide by it, and vLLM multiplies it by ``factor`` for the
+  maximum model length.
+* Known disagreement: for ``linear`` vLLM derives the maximum length as
+  ``max_position_embeddings * factor`` (original * scale**2 here), while llama.cpp takes
+  ``max_position_embeddings`` itself; pass ``--max-model-len`` to vLLM
+  (:func:`hf_rope_ext.hub.runtime_settings` prints it).
 * ``config.hf_rope_ext`` records the patch (method, scale, parameters, original context and
-  ``rope_theta``) so a saved checkpoint can be re-patched exactly and described in a model card.
+  ``rope_theta``, ``steps_per_doubling``) so a saved checkpoint can be re-patched exactly
+  (:func:`verify_record` checks that it agrees with ``rope_parameters``) and described in a
+  model card.
 
-Methods transformers lacks are written as ``rope_type = "hf_rope_ext.<method>"`` and registered
-in transformers' ``ROPE_INIT_FUNCTIONS`` when this package is imported. Without the package,
-transformers stops at load time with ``KeyError: 'hf_rope_ext.<method>'``, never with silently
-wrong frequencies.
+Sources read for the runtime side: vLLM ``vllm/config/model.py`` (``_get_and_verify_max_len``)
+and ``vllm/model_executor/layers/rotary_embedding/__init__.py`` (``get_rope``); llama.cpp
+``convert_hf_to_gguf.py`` (``TextModel.__init__`` reads ``rope_parameters`` or
+``rope_scaling``, ``TextModel.set_gguf_parameters`` maps them to GGUF keys).
+
+Methods transformers lacks are written as ``rope_type = "hf_rope_ext.<method>"`` and
+registered in transformers' ``ROPE_INIT_FUNCTIONS`` when this package is imported. For the
+built-in ones the string also says what to install, because it is all a user without the
+package gets to see: transformers stops at load time with
+``KeyError: 'hf_rope_ext.dynamic-yarn (needs `pip install hf-rope-ext` and `import hf_rope_ext`
+before loading)'``, never with silently wrong frequencies. Checkpoints of user-registered
+methods keep the bare ``hf_rope_ext.<method>`` (installing the package alone would not help:
+the code that registers the method is needed).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import numbers
+import types
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from . import compat
-from .methods import COMMON_PARAMS, RopeMethod, get_method, list_methods, resolve_params
+from .methods import _BUILTIN, COMMON_PARAMS, RopeMethod, get_method, list_methods, resolve_params
 
 logger = logging.getLogger(__name__)
 
 RECORD_ATTRIBUTE = "hf_rope_ext"
 CUSTOM_ROPE_TYPE_PREFIX = "hf_rope_ext."
+# Appended to the rope_type of built-in methods: transformers' KeyError shows the string verbatim.
+INSTALL_HINT = " (needs `pip install hf-rope-ext` and `import hf_rope_ext` before loading)"
+
+_RECORD_KEYS = ("method", "scale", "original_max_position_embeddings", "original_rope_theta", "params")
 
 
-def custom_rope_type(method: RopeMethod) -> str:
-    """The ``rope_type`` string for a method transformers does not have.
-
-    transformers recomputes frequencies on every call only for rope types whose name contains
-    "dynamic", so length-dependent methods must carry that word.
-    """
+def _bare_rope_type(method: RopeMethod) -> str:
+    # transformers recomputes frequencies on every call only for rope types whose name
+    # contains "dynamic", so length-dependent methods must carry that word.
     name = method.name
     if method.length_dependent and "dynamic" not in name:
         name = f"dynamic.{name}"
     return CUSTOM_ROPE_TYPE_PREFIX + name
 
 
+def custom_rope_type(method: RopeMethod) -> str:
+    """The ``rope_type`` string for a method transformers does not have."""
+    bare = _bare_rope_type(method)
+    return bare + INSTALL_HINT if method.name in _BUILTIN else bare
+
+
 def method_from_rope_type(rope_type: str) -> RopeMethod | None:
-    """Inverse of :func:`custom_rope_type`; None for transformers' own types."""
+    """Inverse of :func:`custom_rope_type`; None for transformers' own types.
+
+    Also accepts the bare ``hf_rope_ext.<method>`` form of built-in methods, which earlier
+    versions wrote.
+    """
     if not rope_type.startswith(CUSTOM_ROPE_TYPE_PREFIX):
         return None
+    bare = rope_type[: -len(INSTALL_HINT)] if rope_type.endswith(INSTALL_HINT) else rope_type
     for name in list_methods():
         method = get_method(name)
-        if method.transformers_rope_type is None and custom_rope_type(method) == rope_type:
+        if method.transformers_rope_type is None and _bare_rope_type(method) == bare:
             return method
     raise ValueError(
         f"rope_type {rope_type!r} names an hf_rope_ext method that is not registered in this process; "
@@ -121,7 +158,8 @@ def rope_config_for(
             **own,
         }
     rope.update(extra)
-    max_positions = original if method.length_dependent else extended
+    # See the module docstring: "dynamic" types start scaling beyond max_position_embeddings.
+    max_positions = original if "dynamic" in rope["rope_type"] else extended
     return rope, max_positions
 
 
@@ -145,8 +183,184 @@ def patch_record(
 
 
 # ----------------------------------------------------------------------------------------------
+# Reading a record back
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecordedPatch:
+    """A ``config.hf_rope_ext`` record that agrees with the config's RoPE fields."""
+
+    method: RopeMethod
+    scale: float
+    original_max_position_embeddings: int
+    original_rope_theta: float
+    rotary_dim: int
+    params: dict[str, Any]  # the method's own parameters, defaults filled in
+    steps_per_doubling: int | None = None
+    kept: dict[str, Any] = field(default_factory=dict)  # original rope keys the patch keeps
+
+    @property
+    def extended_context(self) -> int:
+        return int(math.ceil(self.original_max_position_embeddings * self.scale))
+
+    def resolved_params(self) -> dict[str, Any]:
+        """The parameters as :func:`rope_config_for` and ``method.compute`` take them."""
+        return {
+            **self.params,
+            "factor": self.scale,
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+        }
+
+    def original_rope_config(self) -> tuple[dict[str, Any], int]:
+        """``(rope_parameters, max_position_embeddings)`` of the model before the patch."""
+        return (
+            {"rope_type": "default", "rope_theta": self.original_rope_theta, **self.kept},
+            self.original_max_position_embeddings,
+        )
+
+
+def rotary_dim_of(config: Any, rope: Mapping[str, Any] | None = None) -> int:
+    """Number of rotated dimensions per head, from the config."""
+    rope = rope if rope is not None else compat.rope_parameters(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    return int(head_dim * factor)
+
+
+def _record_error(config: Any, problem: str) -> ValueError:
+    model_type = getattr(config, "model_type", "?")
+    return ValueError(
+        f"model_type {model_type!r}: the `{RECORD_ATTRIBUTE}` entry of config.json {problem} "
+        "The config was edited or is corrupt: restore the config.json that hf_rope_ext wrote, or delete the "
+        f"`{RECORD_ATTRIBUTE}` entry to load the RoPE settings as plain transformers reads them."
+    )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _differences(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, bool) or isinstance(b, bool):
+            return a is b
+        if _number(a) and _number(b):
+            return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    problems = []
+    for key in sorted(set(expected) | set(actual)):
+        if key == "rope_type" and key in expected and key in actual:
+            if _normalized_rope_type(expected[key]) != _normalized_rope_type(actual[key]):
+                problems.append(f"rope_type is {actual[key]!r}, expected {expected[key]!r}")
+        elif key not in actual:
+            problems.append(f"{key!r} is missing (expected {expected[key]!r})")
+        elif key not in expected:
+            problems.append(f"{key!r}={actual[key]!r} is not part of this patch")
+        elif not same(expected[key], actual[key]):
+            problems.append(f"{key!r} is {actual[key]!r}, expected {expected[key]!r}")
+    return problems
+
+
+def _normalized_rope_type(rope_type: Any) -> Any:
+    if isinstance(rope_type, str) and rope_type.endswith(INSTALL_HINT):
+        return rope_type[: -len(INSTALL_HINT)]
+    return rope_type
+
+
+def verify_record(config: Any) -> RecordedPatch | None:
+    """Read ``config.hf_rope_ext`` and check it against ``rope_parameters``.
+
+    Returns None when the config has no record (a checkpoint not written by this package).
+    Raises ``ValueError`` naming the field when the record is malformed, names a method this
+    process does not know, or contradicts ``rope_parameters`` / ``max_position_embeddings``
+    (an edited or corrupt config.json): such a checkpoint would otherwise load with
+    frequencies nobody intended.
+    """
+    record = getattr(config, RECORD_ATTRIBUTE, None)
+    if record is None:
+        return None
+    if not isinstance(record, Mapping):
+        raise _record_error(config, f"must be a JSON object, got {type(record).__name__}.")
+    missing = [key for key in _RECORD_KEYS if key not in record]
+    if missing:
+        raise _record_error(config, f"lacks {missing}.")
+    try:
+        method = get_method(record["method"])
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"config.json was written with hf_rope_ext method {record['method']!r}, which is not registered in this "
+            "process. Register it with hf_rope_ext.register_method (same name, same frequency function) before "
+            f"loading. ({error})"
+        ) from None
+    scale = record["scale"]
+    original = record["original_max_position_embeddings"]
+    base = record["original_rope_theta"]
+    if not _number(scale) or scale <= 1:
+        raise _record_error(config, f"has scale={scale!r}; it must be a number > 1.")
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise _record_error(config, f"has original_max_position_embeddings={original!r}; it must be an integer > 0.")
+    if not _number(base) or base <= 0:
+        raise _record_error(config, f"has original_rope_theta={base!r}; it must be a number > 0.")
+    if not isinstance(record["params"], Mapping):
+        raise _record_error(config, f"has params={record['params']!r}; it must be a JSON object.")
+
+    rope = compat.rope_parameters(config)
+    rotary_dim = rotary_dim_of(config, rope)
+    kept = {key: rope[key] for key in ("partial_rotary_factor",) if key in rope}
+    try:
+        params = resolve_params(method, rotary_dim, record["params"])
+    except (TypeError, ValueError) as error:
+        raise _record_error(config, f"has parameters method {method.name!r} does not accept: {error}") from None
+
+    steps = record.get("steps_per_doubling")
+    if method.length_dependent:
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
+            raise _record_error(config, f"has steps_per_doubling={steps!r}; it must be a positive integer or null.")
+    elif steps is not None:
+        raise _record_error(config, f"has steps_per_doubling={steps!r}, but {method.name!r} is a static method.")
+
+    recorded = RecordedPatch(method, float(scale), original, float(base), rotary_dim, params, steps, kept)
+    expected_rope, expected_max_positions = rope_config_for(method, recorded.resolved_params(), base, rotary_dim, kept)
+    problems = _differences(expected_rope, rope)
+    if config.max_position_embeddings != expected_max_positions:
+        problems.append(
+            f"max_position_embeddings is {config.max_position_embeddings!r}, expected {expected_max_positions}"
+        )
+    if problems:
+        raise _record_error(
+            config,
+            f"(method {method.name!r}, scale {scale:g}, original context {original}) contradicts the RoPE fields: "
+            + "; ".join(problems)
+            + ".",
+        )
+    return recorded
+
+
+def read_record(config: Any) -> dict[str, Any] | None:
+    record = getattr(config, RECORD_ATTRIBUTE, None)
+    return dict(record) if isinstance(record, Mapping) else None
+
+
+def method_of_record(record: Mapping[str, Any]) -> RopeMethod:
+    return get_method(record["method"])
+
+
+# ----------------------------------------------------------------------------------------------
 # transformers-side loading of this package's own rope types
 # ----------------------------------------------------------------------------------------------
+
+
+def _rounded_length(method: RopeMethod, original: int, steps: int | None, seq_len: int | None) -> int | None:
+    from .rotary import ExtendedRotaryEmbedding
+
+    # The patch's own rounding (L0 * 2 ** (k / steps)), so a model loaded with from_pretrained
+    # computes the frequencies patch_model would use for the same length.
+    state = types.SimpleNamespace(method=method, original_max_seq_len=original, steps_per_doubling=steps)
+    return ExtendedRotaryEmbedding.effective_length(state, seq_len)
 
 
 def _transformers_init_function(rope_type: str):
@@ -155,18 +369,38 @@ def _transformers_init_function(rope_type: str):
     def compute_rope_parameters(config, device=None, seq_len=None, layer_type=None):
         method = method_from_rope_type(rope_type)
         rope = compat.rope_parameters(config)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        missing = [key for key in ("rope_theta", *COMMON_PARAMS) if key not in rope]
+        if missing:
+            raise ValueError(
+                f"config.rope_parameters with rope_type {rope_type!r} lacks {missing}; config.json is incomplete "
+                "(hf_rope_ext writes rope_theta, factor and original_max_position_embeddings)."
+            )
+        rotary_dim = rotary_dim_of(config, rope)
         given = {key: rope[key] for key in method.defaults if key in rope}
         params = resolve_params(method, rotary_dim, given)
         params["factor"] = rope["factor"]
-        params["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
-        length = int(seq_len) if seq_len is not None else None
+        params["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
+        record = read_record(config)
+        if seq_len is None and record is not None:
+            verify_record(config)  # model construction: refuse a contradictory config.json
+        steps = record.get("steps_per_doubling") if record else None
+        length = _rounded_length(
+            method, params["original_max_position_embeddings"], steps, int(seq_len) if seq_len is not None else None
+        )
         inv_freq, attention_factor = method.compute(rotary_dim, rope["rope_theta"], params, length)
-        return inv_freq.to(device=device, dtype=torch.float32), attention_factor
+        return torch.as_tensor(inv_freq).to(device=device, dtype=torch.float32), attention_factor
 
-    compute_rope_parameters.__name__ = f"compute_{rope_type.replace('.', '_').replace('-', '_')}"
+    compute_rope_parameters.__name__ = f"compute_{_normalized_rope_type(rope_type).replace('.', '_').replace('-', '_')}"
     return compute_rope_parameters
+
+
+def _register_rope_type(rope_type: str) -> None:
+    existing = compat.ROPE_INIT_FUNCTIONS.get(rope_type)
+    if existing is not None and not getattr(existing, "_hf_rope_ext", False):
+        raise ValueError(f"transformers already defines rope_type {rope_type!r}; rename the method.")
+    function = _transformers_init_function(rope_type)
+    function._hf_rope_ext = True
+    compat.ROPE_INIT_FUNCTIONS[rope_type] = function
 
 
 def register_with_transformers(method: RopeMethod) -> None:
@@ -177,25 +411,12 @@ def register_with_transformers(method: RopeMethod) -> None:
     """
     if method.transformers_rope_type is not None:
         return
-    rope_type = custom_rope_type(method)
-    existing = compat.ROPE_INIT_FUNCTIONS.get(rope_type)
-    if existing is not None and not getattr(existing, "_hf_rope_ext", False):
-        raise ValueError(f"transformers already defines rope_type {rope_type!r}; rename the method.")
-    function = _transformers_init_function(rope_type)
-    function._hf_rope_ext = True
-    compat.ROPE_INIT_FUNCTIONS[rope_type] = function
+    _register_rope_type(custom_rope_type(method))
+    if method.name in _BUILTIN:  # configs written before the install hint was added
+        _register_rope_type(_bare_rope_type(method))
 
 
 def unregister_from_transformers(method: RopeMethod) -> None:
-    rope_type = custom_rope_type(method)
-    if getattr(compat.ROPE_INIT_FUNCTIONS.get(rope_type), "_hf_rope_ext", False):
-        del compat.ROPE_INIT_FUNCTIONS[rope_type]
-
-
-def read_record(config: Any) -> dict[str, Any] | None:
-    record = getattr(config, RECORD_ATTRIBUTE, None)
-    return dict(record) if isinstance(record, Mapping) else None
-
-
-def method_of_record(record: Mapping[str, Any]) -> RopeMethod:
-    return get_method(record["method"])
+    for rope_type in {custom_rope_type(method), _bare_rope_type(method)}:
+        if getattr(compat.ROPE_INIT_FUNCTIONS.get(rope_type), "_hf_rope_ext", False):
+            del compat.ROPE_INIT_FUNCTIONS[rope_type]

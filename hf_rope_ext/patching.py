@@ -216,6 +216,9 @@ def patch_model(
     """
     if _patched_modules(model):
         unpatch_model(model)
+    model_config = getattr(model, "config", None)
+    if model_config is not None and getattr(model_config, "rope_parameters", None):
+        compat.rope_parameters(model_config)  # clear error for per-layer-type RoPE before searching modules
     module_name, original = find_rotary_module(model)
     model_type = _model_type(model)
     config = getattr(original, "config", None) or getattr(model, "config", None)

@@ -49,13 +49,17 @@ def make_model(family: str = "llama", seed: int = 0, attn_implementation: str = 
     torch.manual_seed(seed)
     config = make_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
-    # Larger-than-default weights make attention depend on position strongly enough that
-    # a wrong rotation shows up in the logits.
+    return strengthen_weights(model).eval()
+
+
+def strengthen_weights(model):
+    """Larger-than-default projection weights make attention depend on position strongly
+    enough that a wrong rotation shows up in the logits."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "proj" in name and parameter.dim() == 2:
                 parameter.normal_(0, 0.15)
-    return model.eval()
+    return model
 
 
 def native_twin(model, rope_parameters: dict, max_position_embeddings: int | None = None):
@@ -65,7 +69,8 @@ def native_twin(model, rope_parameters: dict, max_position_embeddings: int | Non
         if hasattr(config, attribute):
             delattr(config, attribute)
     base = dict(config.rope_parameters)
-    config.rope_parameters = {"rope_theta": base["rope_theta"], **rope_parameters}
+    kept = {key: base[key] for key in ("rope_theta", "partial_rotary_factor") if key in base}
+    config.rope_parameters = {**kept, **rope_parameters}
     if max_position_embeddings is not None:
         config.max_position_embeddings = max_position_embeddings
     config.standardize_rope_params()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import ORIGINAL_CONTEXT, make_model, native_twin, random_ids
+from conftest import ORIGINAL_CONTEXT, make_model, native_twin, random_ids, strengthen_weights
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import hf_rope_ext
@@ -313,3 +313,76 @@ def test_patch_info_and_base_model():
     info = get_patch_info(model)
     assert info.method == "ntk" and info.scale == 3.0 and info.module_name == "model.rotary_emb"
     assert info.max_position_embeddings == math.ceil(3 * L0)
+
+
+# -- other families: found by structure, no per-family code ---------------------------------------
+
+OTHER_FAMILIES = {
+    "gemma": {"head_dim": 16},
+    "granite": {},
+    "olmo2": {},
+    "starcoder2": {},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "stablelm": {"partial_rotary_factor": 0.5},
+    "gpt_neox": {"rotary_pct": 0.5},
+}
+
+
+@pytest.mark.parametrize("model_type", list(OTHER_FAMILIES))
+def test_other_families_match_native_yarn(model_type):
+    from transformers import AutoConfig
+
+    from hf_rope_ext.families import FAMILIES
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=L0,
+        **OTHER_FAMILIES[model_type],
+    )
+    torch.manual_seed(0)
+    model = strengthen_weights(AutoModelForCausalLM.from_config(config, attn_implementation="eager")).eval()
+    twin = native_twin(model, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L0}, 4 * L0)
+    ids = random_ids(3 * L0)
+    with torch.no_grad():
+        assert (model(ids).logits - twin(ids).logits).abs().max() > 1e-3
+        patch_model(model, scale=4, method="yarn")
+        torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=0, atol=2e-5)
+    assert FAMILIES[model_type].tested
+
+
+def _tiny(model_type, **extra):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        model_type, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=L0, **extra,
+    )
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def test_config_class_that_restricts_rope_types():
+    model = _tiny("phi3", pad_token_id=0)
+    before = model.config.to_dict()
+    with pytest.raises(ValueError, match="model_type 'phi3': its config rejects rope_type 'yarn'"):
+        patch_model(model, scale=4, method="yarn")
+    assert model.config.to_dict() == before and get_patch_info(model) is None
+    patch_model(model, scale=4, method="longrope", long_factor=LONG_FACTOR)  # the type Phi-3 accepts
+    assert model.config.rope_parameters["rope_type"] == "longrope"
+
+
+@pytest.mark.parametrize(
+    "model_type, message",
+    [
+        ("cohere", "model_type 'cohere' is not supported: interleaved"),
+        ("gemma3_text", "model_type 'gemma3_text' .*RoPE settings"),
+    ],
+)
+def test_unsupported_layouts_name_the_model_type(model_type, message):
+    with pytest.raises(ValueError, match=message):
+        patch_model(_tiny(model_type), scale=4)

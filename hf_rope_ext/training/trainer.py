@@ -402,7 +402,15 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
 
     started = time.perf_counter()
     config.validate()
-    accelerator = Accelerator(mixed_precision="bf16" if config.bf16 else "no")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    # Several processes on a machine without CUDA (torchrun, `accelerate launch --multi_gpu`):
+    # accelerate only forms a gloo process group when told to use the CPU.
+    accelerator = Accelerator(mixed_precision="bf16" if config.bf16 else "no", cpu=launched > 1 and not torch.cuda.is_available())
+    if accelerator.num_processes != launched:
+        raise RuntimeError(
+            f"{launched} processes were launched but accelerate sees {accelerator.num_processes}; they would each "
+            "train alone and overwrite each other's outputs. Check the accelerate configuration."
+        )
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     if sharded and (config.save_steps or config.resume):
         raise ValueError(
@@ -573,6 +581,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         staging = _staging_dir(output_dir, "adapter")
         try:
             unwrapped.save_pretrained(str(staging), state_dict=state_dict)
+            (staging / "README.md").unlink(missing_ok=True)  # peft's empty card template; the summary describes the run
             ckpt.atomic_write_json(staging / ROPE_PATCH_FILE, rope_record)
             tokenizer.save_pretrained(str(staging))
             _publish(staging, adapter_dir)

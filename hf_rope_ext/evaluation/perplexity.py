@@ -1,0 +1,326 @@
+"""Perplexity of long documents, computed without a logits tensor over all positions.
+
+Definitions (natural logarithms; a document is the token ids ``x_0 .. x_{N-1}``, where ``x_0``
+is the tokenizer's BOS token when it has one):
+
+* **Token loss.** ``l_t = -log p(x_t | x_0 .. x_{t-1})`` for ``t >= 1`` (``x_0`` is never
+  predicted).
+* **Bucket perplexity at context length L** (``mode="buckets"``). One forward over the first
+  ``L`` tokens. For a bucket ``[a, b)`` of positions, ``ppl = exp(mean(l_t for a <= t < b, t >= 1))``;
+  the overall perplexity is ``exp(mean(l_t for 1 <= t < L))``. This is the YaRN paper's
+  perplexity of documents "truncated to the evaluation context window size" (Peng et al. 2023,
+  arXiv 2309.00071, sec. 4.3.1), and the buckets show where in the window the loss rises.
+* **Sliding-window perplexity** (``mode="sliding"``; Press et al. 2022, arXiv 2108.12409; used
+  with stride ``S = 256`` by Position Interpolation, Chen et al. 2023, arXiv 2306.15595). Over the
+  first ``N`` tokens of the document, windows of ``L`` tokens start every ``S`` tokens (the last
+  one ends at ``N``). Each window scores only the tokens no earlier window scored, so every token
+  is scored exactly once, and every token after the first window sees at least ``L - S`` tokens of
+  context. When the document starts with BOS, every window starts with BOS followed by ``L - 1``
+  document tokens (as the YaRN and PI evaluation code does). ``ppl = exp(sum(l_t) / count)``,
+  weighted by tokens (the YaRN script averages per-window means instead; the two differ only in
+  the weight of the first window).
+
+Memory: the decoder runs once to give the final hidden states; the LM head and the cross-entropy
+run on ``chunk_size`` positions at a time, so a 100k-token input never holds a
+``(100k, vocab)`` logits tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_SIZE = 1024
+
+__all__ = [
+    "BucketPerplexity",
+    "SlidingPerplexity",
+    "bucket_perplexity",
+    "sliding_window_perplexity",
+    "token_losses",
+]
+
+
+@dataclass
+class BucketPerplexity:
+    """Loss sums per position bucket of one or more documents at one context length."""
+
+    context_length: int
+    boundaries: list[int]  # bucket i is [boundaries[i], boundaries[i + 1])
+    nll_sums: list[float]
+    token_counts: list[int]
+
+    @property
+    def nll(self) -> float:
+        return sum(self.nll_sums) / max(sum(self.token_counts), 1)
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.token_counts)
+
+    def bucket_ppls(self) -> list[tuple[int, int, float]]:
+        """``(start, end, ppl)`` per bucket."""
+        return [
+            (start, end, math.exp(total / count) if count else float("nan"))
+            for start, end, total, count in zip(self.boundaries[:-1], self.boundaries[1:], self.nll_sums, self.token_counts)
+        ]
+
+    def ppl_between(self, start: int, end: int) -> float:
+        """Perplexity over the buckets lying inside ``[start, end)``."""
+        total = count = 0
+        for lo, hi, nll, n in zip(self.boundaries[:-1], self.boundaries[1:], self.nll_sums, self.token_counts):
+            if lo >= start and hi <= end:
+                total, count = total + nll, count + n
+        if not count:
+            raise ValueError(f"No bucket lies inside [{start}, {end}); buckets: {self.boundaries}.")
+        return math.exp(total / count)
+
+
+@dataclass
+class SlidingPerplexity:
+    """Sliding-window loss over one or more documents."""
+
+    context_length: int
+    stride: int
+    nll_sum: float = 0.0
+    tokens: int = 0
+    windows: int = 0
+    eval_tokens: list[int] = field(default_factory=list)  # document tokens scored, per document
+
+    @property
+    def nll(self) -> float:
+        return self.nll_sum / max(self.tokens, 1)
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked loss
+# ----------------------------------------------------------------------------------------------
+
+
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    get_decoder = getattr(model, "get_decoder", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    decoder = get_decoder() if callable(get_decoder) else None
+    if decoder is None or head is None or decoder is model:
+        raise ValueError(
+            f"{type(model).__name__} is not a causal LM with a separate decoder and LM head "
+            "(expected e.g. LlamaForCausalLM: model.get_decoder() and model.get_output_embeddings())."
+        )
+    return decoder, head
+
+
+def _logits(model: nn.Module, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``head(hidden)`` plus the output transforms some families apply after the head, in float32."""
+    weight = getattr(head, "weight", None)
+    if weight is not None and hidden.device != weight.device:
+        hidden = hidden.to(weight.device)
+    logits = head(hidden).float()
+    config = getattr(model, "config", None)
+    scaling = getattr(config, "logits_scaling", None)  # granite divides the logits by a constant
+    if scaling:
+        logits = logits / scaling
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+_VERIFIED_HEADS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _verify_head(model: nn.Module, decoder: nn.Module, head: nn.Module, device: torch.device) -> None:
+    """Once per model: the decoder + head path must give the model's own logits.
+
+    Catches families that change the logits in ways this module does not know about.
+    """
+    if model in _VERIFIED_HEADS:
+        return
+    probe = torch.arange(3, 11, device=device)[None] % max(int(getattr(model.config, "vocab_size", 11)), 1)
+    with torch.no_grad():
+        expected = model(input_ids=probe, use_cache=False).logits.float()
+        hidden = decoder(input_ids=probe, use_cache=False).last_hidden_state
+        ours = _logits(model, head, hidden)
+    if not torch.allclose(ours.to(expected.device), expected, atol=1e-3, rtol=1e-3):
+        raise ValueError(
+            f"{type(model).__name__}: computing logits as lm_head(decoder hidden states) does not reproduce "
+            "the model's own logits, so the chunked loss would be wrong for this architecture."
+        )
+    _VERIFIED_HEADS.add(model)
+
+
+def _input_device(model: nn.Module) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+@torch.no_grad()
+def token_losses(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    first_target: int = 1,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Token losses ``l_t`` for ``t = first_target .. len(input_ids) - 1`` of one sequence.
+
+    One forward of the decoder over the whole sequence (the model's RoPE sees the whole length,
+    which matters for length-dependent methods), then the LM head and cross-entropy on
+    ``chunk_size`` positions at a time. Returns a float32 CPU tensor of
+    ``len(input_ids) - first_target`` losses.
+
+    Args:
+        model: a causal LM (``*ForCausalLM``, possibly patched or wrapped by peft).
+        input_ids: 1-D (or ``(1, n)``) token ids.
+        first_target: the first position whose token is scored (>= 1); earlier positions are
+            context only and skip the LM head.
+        chunk_size: positions per LM-head call; memory is ``chunk_size * vocab`` floats.
+    """
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"token_losses takes one sequence, got a batch of {ids.shape[0]}.")
+        ids = ids[0]
+    length = ids.shape[0]
+    if not 1 <= first_target < length:
+        raise ValueError(f"first_target must be in [1, {length - 1}] for {length} tokens, got {first_target}.")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}.")
+    decoder, head = _decoder_and_head(model)
+    device = _input_device(model)
+    _verify_head(model, decoder, head, device)
+    hidden = decoder(input_ids=ids[None].to(device), use_cache=False).last_hidden_state[0]
+    targets = ids.to(hidden.device)
+    losses = []
+    # Position p's logits predict token p + 1.
+    for start in range(first_target - 1, length - 1, chunk_size):
+        end = min(start + chunk_size, length - 1)
+        logits = _logits(model, head, hidden[start:end])
+        chunk_targets = targets[start + 1 : end + 1].to(logits.device)
+        losses.append(nn.functional.cross_entropy(logits, chunk_targets, reduction="none").cpu())
+    return torch.cat(losses)
+
+
+def _check_context_length(context_length: int, available: int, what: str) -> None:
+    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 2:
+        raise ValueError(f"context_length must be an integer >= 2 tokens, got {context_length!r}.")
+    if available < context_length:
+        raise ValueError(
+            f"{what} has {available} tokens, fewer than the requested context length of {context_length}; "
+            "use a longer document or a shorter length."
+        )
+
+
+def default_boundaries(context_length: int, bucket_size: int) -> list[int]:
+    """``[0, b, 2b, ..., context_length]`` (the last bucket may be shorter)."""
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size must be a positive number of tokens, got {bucket_size}.")
+    return list(range(0, context_length, bucket_size)) + [context_length]
+
+
+def bucket_perplexity(
+    model: nn.Module,
+    documents: Sequence[torch.Tensor],
+    context_length: int,
+    *,
+    bucket_size: int | None = None,
+    boundaries: Sequence[int] | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> BucketPerplexity:
+    """Loss by position bucket from one forward over the first ``context_length`` tokens of
+    each document (definition in the module docstring); documents are pooled by tokens.
+
+    Give ``bucket_size`` (equal buckets) or explicit ``boundaries`` (``0 .. context_length``).
+    """
+    if boundaries is None:
+        boundaries = default_boundaries(context_length, bucket_size or context_length)
+    boundaries = [int(b) for b in boundaries]
+    if boundaries[0] != 0 or boundaries[-1] != context_length or any(a >= b for a, b in zip(boundaries, boundaries[1:])):
+        raise ValueError(f"boundaries must rise strictly from 0 to context_length={context_length}, got {boundaries}.")
+    sums = [0.0] * (len(boundaries) - 1)
+    counts = [0] * (len(boundaries) - 1)
+    for index, document in enumerate(documents):
+        _check_context_length(context_length, len(document), f"Document {index}")
+        losses = token_losses(model, document[:context_length], chunk_size=chunk_size).double()
+        for bucket, (start, end) in enumerate(zip(boundaries[:-1], boundaries[1:])):
+            # losses[i] is l_{i+1}
+            part = losses[max(start, 1) - 1 : end - 1]
+            sums[bucket] += float(part.sum())
+            counts[bucket] += part.numel()
+    return BucketPerplexity(context_length, boundaries, sums, counts)
+
+
+def sliding_windows(total: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """``(begin, end, scored)`` of each window over ``total`` tokens: tokens ``[begin, end)`` are
+    fed, and the last ``scored`` of them are new (not scored by an earlier window)."""
+    if stride < 1 or stride > window:
+        raise ValueError(f"stride must be between 1 and the window length {window}, got {stride}.")
+    spans = []
+    previous_end = 0
+    for begin in range(0, total, stride):
+        end = min(begin + window, total)
+        spans.append((begin, end, end - previous_end))
+        previous_end = end
+        if end == total:
+            break
+    return spans
+
+
+def sliding_window_perplexity(
+    model: nn.Module,
+    documents: Sequence[torch.Tensor],
+    context_length: int,
+    *,
+    stride: int = 256,
+    max_tokens: int | None = None,
+    bos_token_id: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    progress: bool = True,
+) -> SlidingPerplexity:
+    """Sliding-window perplexity (definition in the module docstring).
+
+    Args:
+        documents: 1-D token id tensors. A document starting with ``bos_token_id`` has every
+            window start with BOS followed by ``context_length - 1`` document tokens.
+        context_length: window length ``L`` in tokens (BOS included).
+        stride: ``S``, how far each window moves; the number of forwards is about
+            ``(N - L) / S + 1`` per document.
+        max_tokens: score only the first ``N`` tokens of each document (default: all of it).
+    """
+    result = SlidingPerplexity(context_length, stride)
+    for index, document in enumerate(documents):
+        document = torch.as_tensor(document)
+        if max_tokens is not None:
+            _check_context_length(context_length, max_tokens, f"max_tokens={max_tokens}")
+            _check_context_length(max_tokens, len(document), f"Document {index}")
+            document = document[:max_tokens]
+        _check_context_length(context_length, len(document), f"Document {index}")
+        has_bos = bos_token_id is not None and int(document[0]) == bos_token_id
+        body = document[1:] if has_bos else document
+        prefix = document[:1] if has_bos else document[:0]
+        spans = sliding_windows(len(body), context_length - len(prefix), stride)
+        for begin, end, scored in tqdm(spans, desc=f"sliding windows (L={context_length})", leave=False, disable=not progress):
+            window = torch.cat((prefix, body[begin:end]))
+            # Without BOS the window's first token cannot be predicted.
+            scored = min(scored, len(window) - 1)
+            losses = token_losses(model, window, first_target=len(window) - scored, chunk_size=chunk_size)
+            result.nll_sum += float(losses.double().sum())
+            result.tokens += losses.numel()
+            result.windows += 1
+        result.eval_tokens.append(len(document))
+    return result

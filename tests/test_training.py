@@ -1,0 +1,510 @@
+"""Fine-tuning recipe: PoSE windows, LoRA targets, resumable checkpoints, merged checkpoints.
+
+Runs on tiny random models saved with a character-level tokenizer in the test's tmp folder.
+References are independent of the code under test: transformers' own models and loss, closed
+forms of the PoSE scheme, and uninterrupted / single-process runs for resumed / DDP runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+import hf_rope_ext  # noqa: F401  (registers this package's rope types with transformers)
+from hf_rope_ext import patch_model
+from hf_rope_ext.training import (
+    FinetuneConfig,
+    LoraSettings,
+    PackedWindows,
+    apply_lora,
+    default_lora_targets,
+    draw_pose,
+    finetune,
+    list_checkpoints,
+    load_adapter_model,
+    norm_module_names,
+    pose_position_ids,
+)
+from hf_rope_ext.training import checkpoint as checkpoint_module
+from hf_rope_ext.training import trainer as trainer_module
+
+from conftest import FAMILIES, ORIGINAL_CONTEXT, make_model, native_twin
+
+REPO = Path(__file__).resolve().parents[1]
+L0 = ORIGINAL_CONTEXT
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character (printable ASCII), ids below the tiny models' vocabulary of 128."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {token: index for index, token in enumerate(specials + chars)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def save_tiny(folder: Path, family: str = "llama", **overrides) -> Path:
+    make_model(family, **overrides).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def repeated_text(tmp_path_factory) -> Path:
+    """A 48-character random string repeated: easy to learn, so the loss must fall."""
+    generator = torch.Generator().manual_seed(0)
+    letters = string.ascii_lowercase
+    unit = "".join(letters[i] for i in torch.randint(0, len(letters), (48,), generator=generator).tolist())
+    path = tmp_path_factory.mktemp("text") / "repeated.txt"
+    path.write_text(unit * 120, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def varied_text(tmp_path_factory) -> Path:
+    generator = torch.Generator().manual_seed(1)
+    words = ["river", "stone", "lantern", "harbor", "meadow", "copper", "violet", "thunder"]
+    picks = torch.randint(0, len(words), (1500,), generator=generator).tolist()
+    path = tmp_path_factory.mktemp("text") / "varied.txt"
+    path.write_text(" ".join(words[i] for i in picks), encoding="utf-8")
+    return path
+
+
+def config_for(model: Path, output: Path, text: Path, **overrides) -> FinetuneConfig:
+    settings = dict(
+        model=str(model),
+        output_dir=str(output),
+        text_files=[str(text)],
+        method="yarn",
+        scale=4,
+        pose=True,
+        max_steps=4,
+        learning_rate=1e-2,
+        lora_rank=4,
+        lora_alpha=8,
+        attn_implementation="eager",
+        seed=0,
+    )
+    settings.update(overrides)
+    return FinetuneConfig(**settings)
+
+
+def adapter_weights(output: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(output / "adapter" / "adapter_model.safetensors"))
+
+
+# -- PoSE and packing ------------------------------------------------------------------------------
+
+
+def test_pose_position_ids_layout():
+    positions = pose_position_ids(8, first_chunk=3, position_skip=10)
+    assert positions.tolist() == [0, 1, 2, 13, 14, 15, 16, 17]
+
+
+def test_pose_windows_cover_the_target_range_within_the_original_length():
+    window, target = L0, 4 * L0
+    document = torch.arange(10 * target)  # token id == offset in the document: shows which text was taken
+    windows = PackedWindows([document], window, target_length=target, pose=True, seed=3)
+    seen_positions, seen_first, seen_skips = set(), set(), set()
+    for sample in range(3000):
+        example = windows.example(sample)
+        ids, positions, labels = example["input_ids"], example["position_ids"], example["labels"]
+        assert ids.shape == positions.shape == labels.shape == (window,)
+        assert positions[0] == 0 and int(positions.max()) <= target - 1
+        steps = torch.diff(positions)
+        jumps = (steps != 1).nonzero().flatten().tolist()
+        assert (steps >= 1).all() and len(jumps) <= 1
+        # Two chunks of consecutive text; the first starts a window, the second follows after a skip.
+        first = jumps[0] + 1 if jumps else int((torch.diff(ids) != 1).nonzero().flatten()[0] + 1) if (torch.diff(ids) != 1).any() else None
+        text_steps = torch.diff(ids)
+        breaks = (text_steps != 1).nonzero().flatten().tolist()
+        assert len(breaks) <= 1
+        start = int(ids[0])
+        assert start % window == 0  # windows start at multiples of the window
+        split = (breaks[0] + 1) if breaks else (jumps[0] + 1 if jumps else None)
+        if split is not None:
+            assert 1 <= split <= (window + 1) // 2
+            content_skip = int(ids[split]) - (start + split)
+            position_skip = int(positions[split]) - split
+            assert 0 <= content_skip <= min(target, len(document) - start) - window
+            assert 0 <= position_skip <= target - window
+            # the label of the chunk boundary is masked exactly when the text is not contiguous there
+            assert (labels[split] == -100) == (content_skip > 0)
+            seen_first.add(split)
+            seen_skips.add(position_skip)
+        assert (labels[labels != -100] == ids[labels != -100]).all()
+        seen_positions.update(positions.tolist())
+        del first
+    assert seen_positions == set(range(target))
+    assert seen_first == set(range(1, (window + 1) // 2 + 1))
+    assert {0, target - window} <= seen_skips
+
+
+def test_pose_draws_are_uniform():
+    """l1 ~ U{1..ceil(W/2)}, u ~ U{0..L-W}: compare sample means with the closed forms."""
+    generator = torch.Generator().manual_seed(0)
+    window, span, target = 64, 200, 512
+    draws = [draw_pose(window, span, target, generator) for _ in range(4000)]
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    assert abs(mean([d.first_chunk for d in draws]) - (1 + (window + 1) // 2) / 2) < 0.6
+    assert abs(mean([d.content_skip for d in draws]) - (span - window) / 2) < 3
+    assert abs(mean([d.position_skip for d in draws]) - (target - window) / 2) < 8
+
+
+def test_full_length_windows_are_consecutive_slices():
+    documents = [torch.arange(100), torch.arange(1000, 1070)]
+    windows = PackedWindows(documents, 32, shuffle=False)
+    assert len(windows) == 3 + 2
+    slices = [windows.example(i)["input_ids"].tolist() for i in range(len(windows))]
+    assert slices[0] == list(range(32)) and slices[2] == list(range(64, 96))
+    assert slices[3] == list(range(1000, 1032)) and slices[4] == list(range(1032, 1064))
+    assert all(windows.example(i)["position_ids"].tolist() == list(range(32)) for i in range(5))
+    # the next epoch visits the same windows again
+    assert windows.example(5)["input_ids"].tolist() == slices[0]
+
+
+def test_example_order_is_a_seeded_permutation_per_epoch():
+    windows = PackedWindows([torch.arange(32 * 10)], 32, seed=5)
+    epoch0 = [windows.window_index(i) for i in range(10)]
+    epoch1 = [windows.window_index(i) for i in range(10, 20)]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(10))
+    assert epoch0 == torch.randperm(10, generator=torch.Generator().manual_seed(5)).tolist()
+    again = PackedWindows([torch.arange(32 * 10)], 32, seed=5)
+    assert [again.window_index(i) for i in range(20)] == epoch0 + epoch1
+
+
+def test_pose_second_chunk_attends_to_the_first():
+    """With PoSE position ids, the batch's explicit all-ones mask keeps attention causal over the
+    whole window. Without it transformers treats the position jump as a new packed sequence."""
+    model = make_model("llama")
+    windows = PackedWindows([torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))], L0,
+                           target_length=4 * L0, pose=True, seed=0)
+    sample = next(i for i in range(100) if int(windows.example(i)["position_ids"][-1]) > L0)
+    batch = windows.batch([sample])
+    split = int((torch.diff(batch["position_ids"][0]) != 1).nonzero()[0]) + 1
+    changed = {key: value.clone() for key, value in batch.items() if key != "labels"}
+    changed["input_ids"][0, 0] = (changed["input_ids"][0, 0] + 1) % 128
+    with torch.no_grad():
+        before = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        after = model(**changed).logits
+        no_mask_before = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        no_mask_after = model(input_ids=changed["input_ids"], position_ids=changed["position_ids"]).logits
+    assert (after[0, split:] - before[0, split:]).abs().max() > 1e-3
+    assert torch.equal(no_mask_after[0, split:], no_mask_before[0, split:])  # the trap the mask avoids
+
+
+# -- LoRA targets -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_targets_found_by_structure(family):
+    model = make_model(family)
+    assert default_lora_targets(model) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    by_class_name = [name for name, module in model.named_modules() if type(module).__name__.endswith("RMSNorm")]
+    assert norm_module_names(model) == by_class_name
+
+
+def test_lora_with_embeddings_and_norms_keeps_tied_weights_tied():
+    model = make_model("llama", tie_word_embeddings=True)
+    settings = LoraSettings(rank=4, alpha=8, train_embeddings=True, train_norms=True)
+    peft_model = apply_lora(model, settings)
+    trainable = {name for name, param in peft_model.named_parameters() if param.requires_grad}
+    assert any("embed_tokens" in name for name in trainable)
+    assert sum("norm" in name for name in trainable) == len(norm_module_names(make_model("llama")))
+    merged = peft_model.merge_and_unload()
+    assert merged.get_output_embeddings().weight is merged.get_input_embeddings().weight
+
+
+# -- whole runs ---------------------------------------------------------------------------------------
+
+
+def test_loss_goes_down_and_first_loss_matches_transformers(tiny_model, repeated_text, tmp_path):
+    config = config_for(tiny_model, tmp_path / "run", repeated_text, max_steps=12, learning_rate=2e-2, lora_rank=8)
+    summary = finetune(config)
+    losses = summary["losses"]
+    assert len(losses) == 12 and summary["steps"] == 12
+    assert sum(losses[-3:]) / 3 < 0.75 * losses[0], losses
+
+    # Step 1 trains from B = 0, i.e. the patched base model: its loss is transformers' own yarn
+    # model's cross-entropy on the first example (same weights, same PoSE positions).
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager")
+    twin = native_twin(base, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L0}, 4 * L0)
+    documents, names = trainer_module.load_documents(config, char_tokenizer())
+    windows = PackedWindows(documents, L0, target_length=4 * L0, pose=True, names=names, seed=0)
+    batch = windows.batch([0])
+    with torch.no_grad():
+        logits = twin(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"]).logits
+    reference = F.cross_entropy(logits[0, :-1].double(), batch["labels"][0, 1:], ignore_index=-100)
+    assert losses[0] == pytest.approx(float(reference), rel=1e-5)
+
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in log] == list(range(1, 13))
+    assert [entry["loss"] for entry in log] == losses
+
+
+@pytest.mark.parametrize("method", ["linear", "yarn", "dynamic-yarn"])
+def test_adapter_and_merged_checkpoint_reload_to_the_same_logits(tiny_model, varied_text, tmp_path, method):
+    output = tmp_path / "run"
+    finetune(config_for(tiny_model, output, varied_text, method=method, max_steps=3))
+    summary = json.loads((output / "training_summary.json").read_text())
+    for key in ("base_model", "method", "scale", "original_context", "target_length", "pose", "steps", "lora",
+                "learning_rate", "tokens_seen", "tokens_per_second", "final_loss", "wall_time_s", "data_files"):
+        assert key in summary, key
+    assert summary["target_length"] == 4 * L0 and summary["tokens_seen"] == 3 * L0
+    assert summary["lora"]["trainable_params"] == sum(t.numel() for t in adapter_weights(output).values())
+
+    adapter_model, _ = load_adapter_model(str(tiny_model), output / "adapter", attn_implementation="eager")
+    merged = AutoModelForCausalLM.from_pretrained(output / "merged", attn_implementation="eager").eval()
+    expected_type = {"linear": "linear", "yarn": "yarn", "dynamic-yarn": "hf_rope_ext.dynamic-yarn"}[method]
+    assert merged.config.rope_parameters["rope_type"] == expected_type
+    # Beyond the original context; 2 * L0 is on the dynamic methods' length grid (exact there).
+    ids = torch.randint(3, 128, (1, 2 * L0), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        from_adapter = adapter_model(input_ids=ids).logits
+        from_merged = merged(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager").eval()
+        patch_model(base, 4, method, original_max_length=L0)
+        untrained = base(input_ids=ids).logits
+    torch.testing.assert_close(from_merged, from_adapter, atol=2e-5, rtol=1e-5)
+    assert (from_adapter - untrained).abs().max() > 1e-3  # the adapter changed something
+
+
+def test_tied_model_trains_embeddings_and_norms_and_reloads(tmp_path, varied_text):
+    model_dir = save_tiny(tmp_path / "tied", tie_word_embeddings=True)
+    output = tmp_path / "run"
+    summary = finetune(config_for(model_dir, output, varied_text, max_steps=2, train_embeddings=True, train_norms=True))
+    assert any("embed_tokens" in name for name in summary["lora"]["modules_to_save"])
+    merged = AutoModelForCausalLM.from_pretrained(output / "merged", attn_implementation="eager").eval()
+    assert merged.get_output_embeddings().weight is merged.get_input_embeddings().weight
+    original = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert not torch.equal(merged.get_input_embeddings().weight, original.get_input_embeddings().weight)
+    adapter_model, _ = load_adapter_model(str(model_dir), output / "adapter", attn_implementation="eager")
+    ids = torch.randint(3, 128, (1, 3 * L0), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapter_model(input_ids=ids).logits, atol=2e-5, rtol=1e-5)
+
+
+class Killed(BaseException):
+    """Stands for the process being killed (not an Exception: nothing may catch it)."""
+
+
+def _kill_during_step(monkeypatch, step: int):
+    """Make the run die inside the forward pass of optimizer step ``step`` (batch 1, no accumulation)."""
+    original_apply = trainer_module.apply_lora
+    calls = {"forward": 0}
+
+    def apply_and_arm(model, settings):
+        peft_model = original_apply(model, settings)
+
+        def hook(module, args, kwargs):
+            calls["forward"] += 1
+            if calls["forward"] == step:
+                raise Killed()
+
+        peft_model.register_forward_pre_hook(hook, with_kwargs=True)
+        return peft_model
+
+    monkeypatch.setattr(trainer_module, "apply_lora", apply_and_arm)
+
+
+def test_killed_run_resumes_at_the_same_step_and_data_position(tiny_model, varied_text, tmp_path, monkeypatch):
+    settings = dict(max_steps=5, save_steps=2, lora_dropout=0.2, lr_scheduler="cosine", warmup_steps=1)
+    reference = finetune(config_for(tiny_model, tmp_path / "uninterrupted", varied_text, **settings))
+
+    output = tmp_path / "interrupted"
+    with monkeypatch.context() as patch:
+        _kill_during_step(patch, step=4)
+        with pytest.raises(Killed):
+            finetune(config_for(tiny_model, output, varied_text, **settings))
+    assert [step for step, _ in list_checkpoints(output / "checkpoints")] == [2]
+    assert not (output / "adapter").exists() and not (output / "training_summary.json").exists()
+    state = json.loads((output / "checkpoints" / "step-0000002" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["examples_consumed"] == 2
+
+    with pytest.raises(ValueError, match="--resume"):  # never silently starts over
+        finetune(config_for(tiny_model, output, varied_text, **settings))
+    resumed = finetune(config_for(tiny_model, output, varied_text, resume=True, **settings))
+    assert resumed["resumed_from_step"] == 2 and resumed["steps"] == 5
+    assert resumed["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+    ours, theirs = adapter_weights(output), adapter_weights(tmp_path / "uninterrupted")
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-7, rtol=1e-6)
+    log = [json.loads(line)["step"] for line in (output / "train_log.jsonl").read_text().splitlines()]
+    assert log == [1, 2, 3, 4, 5]
+    # keep_last=2: steps 4 and 5 (the final step is checkpointed too)
+    assert [step for step, _ in list_checkpoints(output / "checkpoints")] == [4, 5]
+
+
+def test_resume_refuses_different_settings(tiny_model, varied_text, tmp_path, monkeypatch):
+    output = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        _kill_during_step(patch, step=3)
+        with pytest.raises(Killed):
+            finetune(config_for(tiny_model, output, varied_text, max_steps=4, save_steps=2))
+    with pytest.raises(ValueError, match="learning_rate"):
+        finetune(config_for(tiny_model, output, varied_text, max_steps=4, save_steps=2, resume=True, learning_rate=5e-3))
+
+
+def test_crash_while_saving_keeps_the_previous_checkpoint(tiny_model, varied_text, tmp_path, monkeypatch):
+    output = tmp_path / "run"
+    original_save = checkpoint_module.save_file
+
+    def failing_save(tensors, filename, *args, **kwargs):
+        if "step-0000004" in str(filename) and filename.endswith("optimizer.safetensors"):
+            raise Killed()
+        return original_save(tensors, filename, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint_module, "save_file", failing_save)
+        with pytest.raises(Killed):
+            finetune(config_for(tiny_model, output, varied_text, max_steps=4, save_steps=2))
+    assert [step for step, _ in list_checkpoints(output / "checkpoints")] == [2]
+    assert not (output / "checkpoints" / "step-0000004").exists()
+    summary = finetune(config_for(tiny_model, output, varied_text, max_steps=4, save_steps=2, resume=True))
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
+    assert not any(path.name.startswith(".tmp") for path in (output / "checkpoints").iterdir())
+
+
+def test_memory_saver_flags_run(tiny_model, varied_text, tmp_path):
+    output = tmp_path / "run"
+    summary = finetune(config_for(tiny_model, output, varied_text, max_steps=2, bf16=True, gradient_checkpointing=True,
+                                  attn_implementation="sdpa", pose=False, scale=2, gradient_accumulation_steps=2))
+    assert summary["precision"] == "bf16" and summary["window"] == 2 * L0
+    assert all(torch.isfinite(torch.tensor(summary["losses"])))
+    merged = AutoModelForCausalLM.from_pretrained(output / "merged")
+    assert merged.config.rope_parameters["factor"] == 2.0 and merged.config.max_position_embeddings == 2 * L0
+
+
+def test_dataset_input(tiny_model, tmp_path):
+    pytest.importorskip("datasets")
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    rows = [{"text": " ".join(["harbor lantern"] * 40)}, {"text": ""}, {"text": "copper meadow " * 30}]
+    (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summary = finetune(config_for(tiny_model, tmp_path / "run", Path("unused"), text_files=None, dataset=str(folder), max_steps=1))
+    assert summary["data_windows"] == (1 + 40 * 15 - 1) // L0 + (1 + 30 * 14) // L0  # BOS + characters, per row
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(text_files=None), "No training text"),
+        (dict(scale=None), "--scale"),
+        (dict(scale=0.5), "beyond the original context"),
+        (dict(scale=None, target_length=L0), "beyond the original context"),
+        (dict(scale=4, target_length=100), "disagree"),
+        (dict(window=2 * L0), "PoSE windows must fit the original context"),
+        (dict(pose=False, window=8 * L0), "longer than the target length"),
+        (dict(dataset="some/dataset"), "not both"),
+        (dict(warmup_steps=4), "warmup_steps"),
+        (dict(method="nope"), "nope"),
+        (dict(method_params="{beta_fast: 32"), "JSON"),
+        (dict(lr_scheduler="step"), "lr_scheduler"),
+        (dict(resume=True), "no checkpoint"),
+        (dict(max_steps=0), "max_steps"),
+    ],
+)
+def test_bad_input_is_refused_before_training(tiny_model, varied_text, tmp_path, overrides, message):
+    output = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        finetune(config_for(tiny_model, output, varied_text, **overrides))
+    assert not (output / "train_log.jsonl").exists()
+
+
+def test_bad_text_is_refused_before_training(tiny_model, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    short = tmp_path / "short.txt"
+    short.write_text("only a few characters")
+    with pytest.raises(ValueError, match="contains no text"):
+        finetune(config_for(tiny_model, tmp_path / "a", empty))
+    with pytest.raises(FileNotFoundError, match="not found"):
+        finetune(config_for(tiny_model, tmp_path / "b", tmp_path / "missing.txt"))
+    with pytest.raises(ValueError, match=r"shorter than one training window of 32 tokens: .*short.txt \(22 tokens\)"):
+        finetune(config_for(tiny_model, tmp_path / "c", short))
+    for name in "abc":
+        assert not (tmp_path / name / "train_log.jsonl").exists()
+
+
+def test_missing_optional_backends_give_clear_errors(tiny_model, varied_text, tmp_path):
+    for overrides, package in ((dict(load_in_4bit=True), "bitsandbytes"), (dict(attn_implementation="flash_attention_2", bf16=True), "flash_attn")):
+        try:
+            __import__(package)
+        except ImportError:
+            pass
+        else:
+            pytest.skip(f"{package} is installed")
+        with pytest.raises(ValueError, match=package):
+            finetune(config_for(tiny_model, tmp_path / "run", varied_text, **overrides))
+
+
+def test_finished_run_is_never_overwritten(tiny_model, varied_text, tmp_path):
+    output = tmp_path / "run"
+    finetune(config_for(tiny_model, output, varied_text, max_steps=1))
+    before = (output / "training_summary.json").read_bytes()
+    with pytest.raises(ValueError, match="already holds a run"):
+        finetune(config_for(tiny_model, output, varied_text, max_steps=1))
+    assert (output / "training_summary.json").read_bytes() == before
+
+
+# -- several processes --------------------------------------------------------------------------------------
+
+
+def test_two_process_ddp_matches_one_process(tiny_model, varied_text, tmp_path):
+    """``accelerate launch`` with 2 CPU processes (gloo DDP), batch 1 each, against one process
+    with batch 2: the same examples per step and the same mean loss, so the same weights."""
+    if shutil.which("accelerate") is None:
+        pytest.skip("the accelerate command is not on PATH")
+    arguments = ["--model", str(tiny_model), "--text_files", str(varied_text), "--method", "yarn", "--scale", "4",
+                 "--pose", "--max_steps", "3", "--learning_rate", "1e-2", "--lora_rank", "4", "--lora_alpha", "8",
+                 "--attn_implementation", "eager", "--save_steps", "2"]
+    command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
+               str(REPO / "examples" / "finetune_lora.py"), "--output_dir", str(tmp_path / "ddp"), *arguments]
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ddp = json.loads((tmp_path / "ddp" / "training_summary.json").read_text())
+    assert ddp["num_processes"] == 2 and ddp["examples_per_step"] == 2
+    checkpoint = tmp_path / "ddp" / "checkpoints" / "step-0000002"
+    assert (checkpoint / "rng-rank0.safetensors").is_file() and (checkpoint / "rng-rank1.safetensors").is_file()
+
+    single = finetune(config_for(tiny_model, tmp_path / "single", varied_text, max_steps=3, per_device_batch_size=2))
+    assert ddp["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    ours, theirs = adapter_weights(tmp_path / "ddp"), adapter_weights(tmp_path / "single")
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=1e-4)
+
+
+def test_example_script_help_and_error_exit():
+    script = REPO / "examples" / "finetune_lora.py"
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0 and "--pose" in result.stdout and "--save_steps" in result.stdout
