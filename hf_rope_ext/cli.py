@@ -15,6 +15,10 @@ import sys
 # subcommand -> module providing add_parser(subparsers)
 SUBCOMMANDS = {
     "methods": "hf_rope_ext.cli",
+    "runtimes": "hf_rope_ext.hub",
+    "card": "hf_rope_ext.model_card",
+    "eval": "hf_rope_ext.evaluation.cli",
+    "demo": "hf_rope_ext.evaluation.cli",
 }
 
 

@@ -93,6 +93,7 @@ def save_patched(
     *,
     tokenizer: Any = None,
     card: Any = None,
+    card_assets: Any = (),
     legacy_fields: bool = True,
     **save_kwargs: Any,
 ) -> Path:
@@ -107,6 +108,7 @@ def save_patched(
             is raised to it in the saved copy (vLLM caps its maximum length by it).
         card: a ``huggingface_hub.ModelCard`` or markdown string written as ``README.md``
             (see :mod:`hf_rope_ext.model_card`).
+        card_assets: files the card references (plots), copied next to it.
         legacy_fields: also write ``rope_scaling`` and top-level ``rope_theta`` (the
             transformers 4.x spelling, still read by runtimes built on it). transformers 5
             reads both spellings to the same ``rope_parameters``.
@@ -144,6 +146,8 @@ def save_patched(
         _check_saved_config(staging, model.config)
         if card is not None:
             (staging / "README.md").write_text(str(card))
+        for asset in map(Path, card_assets):
+            shutil.copyfile(asset, staging / asset.name)
         written = {path.name for path in staging.iterdir()}
         for stale in target.iterdir():
             if _WEIGHT_FILES.match(stale.name) and stale.name not in written:
@@ -197,6 +201,7 @@ def push_patched_to_hub(
     *,
     tokenizer: Any = None,
     card: Any = None,
+    card_assets: Any = (),
     private: bool | None = None,
     token: str | bool | None = None,
     revision: str | None = None,
@@ -220,7 +225,7 @@ def push_patched_to_hub(
         f"({recorded.original_max_position_embeddings} -> {recorded.extended_context} tokens) with hf-rope-ext"
     )
     with tempfile.TemporaryDirectory(prefix="hf_rope_ext-push-") as folder:
-        save_patched(model, folder, tokenizer=tokenizer, card=card, **save_kwargs)
+        save_patched(model, folder, tokenizer=tokenizer, card=card, card_assets=card_assets, **save_kwargs)
         api.create_repo(repo_id, token=token, private=private, exist_ok=True)
         return api.upload_folder(
             repo_id=repo_id,
@@ -497,8 +502,13 @@ def runtime_settings(
     )
 
 
-def _number_text(value: float) -> str:
-    return repr(float(value)) if not float(value).is_integer() else str(int(value)) if abs(value) < 1e15 else repr(value)
+def _flag_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return str(value)
+    value = float(value)
+    return str(int(value)) if value.is_integer() else repr(value)
 
 
 def _yarn_mscale(scale: float) -> float:
@@ -552,11 +562,16 @@ def _vllm_command(patch: RecordedPatch) -> RuntimeCommand:
         get_method(target), params, patch.original_rope_theta, patch.rotary_dim, patch.kept
     )
     if target == "dynamic":
+        # Pin the full-length frequencies as plain RoPE: vLLM's own `dynamic` is static and its
+        # formula changed between releases (vllm-project/vllm issue 41236, PR 41277).
+        full_base = _full_length_ntk_base(patch)
+        rope, max_positions = {"rope_type": "default", "rope_theta": full_base, **patch.kept}, patch.extended_context
         status = "approximate"
         notes.append(
-            "vLLM's `dynamic` is not length-dependent: it applies the frequencies of the full length "
-            f"{patch.extended_context} (NTK base {_full_length_ntk_base(patch):.6g}) to every request "
-            "(DynamicNTKScalingRotaryEmbedding), while the patch keeps the original RoPE up to "
+            "vLLM has no length-dependent NTK scaling: its `dynamic` computes one base for all requests, and that base "
+            "changed between releases (before vllm-project/vllm PR 41277 it was the base of the full length). These "
+            f"overrides pin that: plain RoPE with the NTK base dynamic scaling reaches at {patch.extended_context} "
+            f"tokens, {full_base:.6g}, for every request; the patch keeps the original RoPE up to "
             f"{patch.original_max_position_embeddings} tokens and scales with the current length beyond."
         )
     if target == "yarn":
@@ -589,18 +604,21 @@ def _vllm_command(patch: RecordedPatch) -> RuntimeCommand:
             "vLLM derives the maximum length of `linear` as max_position_embeddings x factor; --max-model-len sets "
             "the real one."
         )
-    if patch.method.transformers_rope_type is not None:
-        notes.append(
-            "A checkpoint saved with hf_rope_ext already holds these settings: `vllm serve CHECKPOINT "
-            f"--max-model-len {patch.extended_context}` is enough; --hf-overrides applies them to the base model."
-        )
-    else:
+    if patch.method.transformers_rope_type is None:
         notes.append(
             f"vLLM cannot load a checkpoint with rope_type {config_io.custom_rope_type(patch.method)!r}; serve the "
             "base model with these overrides."
         )
+    elif target == "dynamic":
+        notes.append("Serving a saved `dynamic` checkpoint directly uses vLLM's own `dynamic`; use these overrides.")
+    else:
+        notes.append(
+            "A checkpoint saved with hf_rope_ext already holds these settings: `vllm serve CHECKPOINT "
+            f"--max-model-len {patch.extended_context}` is enough; --hf-overrides applies them to the base model."
+        )
     notes.append(
-        "vLLM releases built on transformers 4.x read `rope_scaling` and `rope_theta`: use settings['legacy_hf_overrides']."
+        "vLLM releases built on transformers 4.x read `rope_scaling` and `rope_theta` instead of `rope_parameters`; "
+        "`hf-rope-ext runtimes --json` prints those overrides as legacy_hf_overrides."
     )
     legacy = {**_legacy_fields(rope), "max_position_embeddings": max_positions}
     args = (
@@ -722,7 +740,7 @@ def _llama_cpp_command(patch: RecordedPatch, model_type: str | None) -> RuntimeC
             ),
         )
     flags["--ctx-size"] = n
-    args = tuple(part for flag, value in flags.items() for part in (flag, _number_text(value) if not isinstance(value, str) else value))
+    args = tuple(part for flag, value in flags.items() for part in (flag, _flag_text(value)))
     if patch.method.transformers_rope_type is None:
         notes.append(
             "convert_hf_to_gguf.py does not know this checkpoint's rope_type and writes plain RoPE: convert the base "

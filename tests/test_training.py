@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import hf_rope_ext  # noqa: F401  (registers this package's rope types with transformers)
-from hf_rope_ext import patch_model
+from hf_rope_ext import config_io, get_method, patch_model
 from hf_rope_ext.training import (
     FinetuneConfig,
     LoraSettings,
@@ -75,12 +75,12 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def repeated_text(tmp_path_factory) -> Path:
-    """A 48-character random string repeated: easy to learn, so the loss must fall."""
+    """12 distinct letters in a random order, repeated: each character fixes the next one, so a
+    model that learns anything at all drives the loss down within a few steps."""
     generator = torch.Generator().manual_seed(0)
-    letters = string.ascii_lowercase
-    unit = "".join(letters[i] for i in torch.randint(0, len(letters), (48,), generator=generator).tolist())
+    letters = [string.ascii_lowercase[i] for i in torch.randperm(26, generator=generator)[:12].tolist()]
     path = tmp_path_factory.mktemp("text") / "repeated.txt"
-    path.write_text(unit * 120, encoding="utf-8")
+    path.write_text("".join(letters) * 150, encoding="utf-8")
     return path
 
 
@@ -135,17 +135,18 @@ def test_pose_windows_cover_the_target_range_within_the_original_length():
         ids, positions, labels = example["input_ids"], example["position_ids"], example["labels"]
         assert ids.shape == positions.shape == labels.shape == (window,)
         assert positions[0] == 0 and int(positions.max()) <= target - 1
-        steps = torch.diff(positions)
-        jumps = (steps != 1).nonzero().flatten().tolist()
-        assert (steps >= 1).all() and len(jumps) <= 1
-        # Two chunks of consecutive text; the first starts a window, the second follows after a skip.
-        first = jumps[0] + 1 if jumps else int((torch.diff(ids) != 1).nonzero().flatten()[0] + 1) if (torch.diff(ids) != 1).any() else None
-        text_steps = torch.diff(ids)
-        breaks = (text_steps != 1).nonzero().flatten().tolist()
-        assert len(breaks) <= 1
+        assert (torch.diff(positions) >= 1).all()
+        # Two chunks of consecutive text: the first starts a window, the second follows a skip in
+        # the text (v) and/or in the positions (u), at the same index.
+        text_breaks = (torch.diff(ids) != 1).nonzero().flatten().tolist()
+        position_breaks = (torch.diff(positions) != 1).nonzero().flatten().tolist()
+        assert len(text_breaks) <= 1 and len(position_breaks) <= 1
+        if text_breaks and position_breaks:
+            assert text_breaks == position_breaks
         start = int(ids[0])
         assert start % window == 0  # windows start at multiples of the window
-        split = (breaks[0] + 1) if breaks else (jumps[0] + 1 if jumps else None)
+        breaks = text_breaks or position_breaks
+        split = breaks[0] + 1 if breaks else None
         if split is not None:
             assert 1 <= split <= (window + 1) // 2
             content_skip = int(ids[split]) - (start + split)
@@ -158,7 +159,6 @@ def test_pose_windows_cover_the_target_range_within_the_original_length():
             seen_skips.add(position_skip)
         assert (labels[labels != -100] == ids[labels != -100]).all()
         seen_positions.update(positions.tolist())
-        del first
     assert seen_positions == set(range(target))
     assert seen_first == set(range(1, (window + 1) // 2 + 1))
     assert {0, target - window} <= seen_skips
@@ -208,11 +208,12 @@ def test_pose_second_chunk_attends_to_the_first():
     split = int((torch.diff(batch["position_ids"][0]) != 1).nonzero()[0]) + 1
     changed = {key: value.clone() for key, value in batch.items() if key != "labels"}
     changed["input_ids"][0, 0] = (changed["input_ids"][0, 0] + 1) % 128
-    with torch.no_grad():
-        before = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-        after = model(**changed).logits
-        no_mask_before = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        no_mask_after = model(input_ids=changed["input_ids"], position_ids=changed["position_ids"]).logits
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    with torch.no_grad():  # use_cache=False as in training (with a cache transformers skips the packing check)
+        before = model(**inputs, use_cache=False).logits
+        after = model(**changed, use_cache=False).logits
+        no_mask_before = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        no_mask_after = model(input_ids=changed["input_ids"], position_ids=changed["position_ids"], use_cache=False).logits
     assert (after[0, split:] - before[0, split:]).abs().max() > 1e-3
     assert torch.equal(no_mask_after[0, split:], no_mask_before[0, split:])  # the trap the mask avoids
 
@@ -243,11 +244,11 @@ def test_lora_with_embeddings_and_norms_keeps_tied_weights_tied():
 
 
 def test_loss_goes_down_and_first_loss_matches_transformers(tiny_model, repeated_text, tmp_path):
-    config = config_for(tiny_model, tmp_path / "run", repeated_text, max_steps=12, learning_rate=2e-2, lora_rank=8)
+    config = config_for(tiny_model, tmp_path / "run", repeated_text, max_steps=12, learning_rate=1e-2, lora_rank=8, lora_alpha=16)
     summary = finetune(config)
     losses = summary["losses"]
     assert len(losses) == 12 and summary["steps"] == 12
-    assert sum(losses[-3:]) / 3 < 0.75 * losses[0], losses
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses  # nats; the untrained model is at ~ln(128) = 4.85
 
     # Step 1 trains from B = 0, i.e. the patched base model: its loss is transformers' own yarn
     # model's cross-entropy on the first example (same weights, same PoSE positions).
@@ -279,7 +280,8 @@ def test_adapter_and_merged_checkpoint_reload_to_the_same_logits(tiny_model, var
 
     adapter_model, _ = load_adapter_model(str(tiny_model), output / "adapter", attn_implementation="eager")
     merged = AutoModelForCausalLM.from_pretrained(output / "merged", attn_implementation="eager").eval()
-    expected_type = {"linear": "linear", "yarn": "yarn", "dynamic-yarn": "hf_rope_ext.dynamic-yarn"}[method]
+    # transformers' own rope types where it has the method, this package's registered type otherwise
+    expected_type = get_method(method).transformers_rope_type or config_io.custom_rope_type(get_method(method))
     assert merged.config.rope_parameters["rope_type"] == expected_type
     # Beyond the original context; 2 * L0 is on the dynamic methods' length grid (exact there).
     ids = torch.randint(3, 128, (1, 2 * L0), generator=torch.Generator().manual_seed(7))
@@ -504,7 +506,11 @@ def test_two_process_ddp_matches_one_process(tiny_model, varied_text, tmp_path):
         torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=1e-4)
 
 
-def test_example_script_help_and_error_exit():
+def test_example_script_reports_bad_input(tiny_model, tmp_path):
     script = REPO / "examples" / "finetune_lora.py"
-    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert result.returncode == 0 and "--pose" in result.stdout and "--save_steps" in result.stdout
+    result = subprocess.run(
+        [sys.executable, str(script), "--model", str(tiny_model), "--output_dir", str(tmp_path / "run"),
+         "--text_files", str(tmp_path / "missing.txt"), "--scale", "4"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert result.returncode == 2 and "Text file not found" in result.stderr

@@ -13,7 +13,7 @@ is the tokenizer's BOS token when it has one):
 * **Sliding-window perplexity** (``mode="sliding"``; Press et al. 2022, arXiv 2108.12409; used
   with stride ``S = 256`` by Position Interpolation, Chen et al. 2023, arXiv 2306.15595). Over the
   first ``N`` tokens of the document, windows of ``L`` tokens start every ``S`` tokens (the last
-  one ends at ``N``). Each window scores only the tokens no earlier window scored, so every token
+  one is moved back to end at ``N``, so every window holds ``L`` tokens). Each window scores only the tokens no earlier window scored, so every token
   is scored exactly once, and every token after the first window sees at least ``L - S`` tokens of
   context. When the document starts with BOS, every window starts with BOS followed by ``L - 1``
   document tokens (as the YaRN and PI evaluation code does). ``ppl = exp(sum(l_t) / count)``,
@@ -266,18 +266,24 @@ def bucket_perplexity(
 
 
 def sliding_windows(total: int, window: int, stride: int) -> list[tuple[int, int, int]]:
-    """``(begin, end, scored)`` of each window over ``total`` tokens: tokens ``[begin, end)`` are
-    fed, and the last ``scored`` of them are new (not scored by an earlier window)."""
+    """``(begin, end, scored)`` of each window over ``total >= window`` tokens: tokens
+    ``[begin, end)`` are fed, and the last ``scored`` of them are new (no earlier window scored them).
+
+    Windows start every ``stride`` tokens; the last one is moved back to end exactly at ``total``
+    so that it, too, holds ``window`` tokens of context.
+    """
     if stride < 1 or stride > window:
         raise ValueError(f"stride must be between 1 and the window length {window}, got {stride}.")
+    if total < window:
+        raise ValueError(f"{total} tokens do not fill one window of {window}.")
     spans = []
     previous_end = 0
-    for begin in range(0, total, stride):
+    begin = 0
+    while previous_end < total:
         end = min(begin + window, total)
-        spans.append((begin, end, end - previous_end))
+        spans.append((end - window, end, end - previous_end))
         previous_end = end
-        if end == total:
-            break
+        begin += stride
     return spans
 
 

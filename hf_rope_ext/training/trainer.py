@@ -255,7 +255,7 @@ def load_documents(config: FinetuneConfig, tokenizer) -> tuple[list[torch.Tensor
 # -- model ---------------------------------------------------------------------------------------
 
 
-def _load_base(config: FinetuneConfig, path: str, device: torch.device, quantized: bool):
+def _load_base(config: FinetuneConfig, path: str, device: torch.device, quantized: bool, bf16: bool):
     from ..loading import load_model
 
     kwargs: dict[str, Any] = {}
@@ -271,7 +271,7 @@ def _load_base(config: FinetuneConfig, path: str, device: torch.device, quantize
         kwargs["device_map"] = {"": device}
     model, tokenizer = load_model(
         path,
-        dtype="bf16" if (config.bf16 or quantized) else "fp32",
+        dtype="bf16" if (bf16 or quantized) else "fp32",
         device=str(device),
         attn_implementation=config.attn_implementation,
         **kwargs,
@@ -405,7 +405,12 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     # Several processes on a machine without CUDA (torchrun, `accelerate launch --multi_gpu`):
     # accelerate only forms a gloo process group when told to use the CPU.
-    accelerator = Accelerator(mixed_precision="bf16" if config.bf16 else "no", cpu=launched > 1 and not torch.cuda.is_available())
+    # Mixed precision is this run's own autocast, not accelerate's process-wide setting, so that
+    # several runs in one process may differ; a launcher's --mixed_precision bf16 is honoured too.
+    accelerator = Accelerator(cpu=launched > 1 and not torch.cuda.is_available())
+    if accelerator.mixed_precision == "fp16":
+        raise ValueError("fp16 mixed precision is not supported (it needs loss scaling); launch with bf16 or use --bf16.")
+    bf16 = config.bf16 or accelerator.mixed_precision == "bf16"
     if accelerator.num_processes != launched:
         raise RuntimeError(
             f"{launched} processes were launched but accelerate sees {accelerator.num_processes}; they would each "
@@ -449,7 +454,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
 
     # -- model ----------------------------------------------------------------------------------
     set_seed(config.seed)
-    model, _ = _load_base(config, model_path, accelerator.device, config.load_in_4bit)
+    model, _ = _load_base(config, model_path, accelerator.device, config.load_in_4bit, bf16)
     model.config.use_cache = False
     _patch(model, lengths, config.method, method_params)
     rope_record = _rope_patch_record(model)
@@ -459,7 +464,10 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing)
     if config.gradient_checkpointing:
         # Non-reentrant checkpointing works with DDP and needs no input gradients for LoRA.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     set_seed(config.seed)  # LoRA initialisation does not depend on what loading consumed
     lora = config.lora_settings()
     model = apply_lora(model, lora)
@@ -542,7 +550,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
             batch = {key: value.to(accelerator.device) for key, value in batch.items()}
             last = micro_step == config.gradient_accumulation_steps - 1
             sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
-            with sync, accelerator.autocast():
+            with sync, torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=bf16):
                 output = model(**batch, num_items_in_batch=torch.tensor(label_tokens, device=accelerator.device))
                 # DDP averages gradients over processes; scale back up so they sum.
                 accelerator.backward(output.loss * world)
@@ -594,7 +602,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                 if config.load_in_4bit or sharded:
                     # 4-bit weights would round the LoRA update away; sharded weights are not local.
                     gc.collect()
-                    merged, _ = merge_adapter(model_path, adapter_dir, dtype="bf16" if config.bf16 or config.load_in_4bit else "fp32")
+                    merged, _ = merge_adapter(model_path, adapter_dir, dtype="bf16" if bf16 or config.load_in_4bit else "fp32")
                 else:
                     merged = unwrapped.merge_and_unload()
                 merged.config.use_cache = True
@@ -633,7 +641,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
             "weight_decay": config.weight_decay,
             "max_grad_norm": config.max_grad_norm,
             "seed": config.seed,
-            "precision": "bf16" if config.bf16 else "fp32",
+            "precision": "bf16" if bf16 else "fp32",
             "load_in_4bit": config.load_in_4bit,
             "gradient_checkpointing": config.gradient_checkpointing,
             "attn_implementation": config.attn_implementation,

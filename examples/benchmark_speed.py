@@ -1,0 +1,159 @@
+"""Speed of patched models against their baselines, measured in the same run.
+
+1. Forward time of the patched model over the unpatched one, for each static method, at
+   ``--forward-tokens`` tokens (target: ratio <= 1.02).
+2. Decode-step time of hf_rope_ext's cache-exact ``dynamic`` against transformers' own
+   ``dynamic`` type (same frequencies, stale cache), over a generation from the original
+   context to twice the original context (target: within 10%). ``--original-context`` lets a
+   CPU run use a shorter original context than the model's own (8192 for SmolLM2), so that
+   the generation stays short; on a GPU use the model's own.
+
+Run (CPU, about 10 minutes)::
+
+    python examples/benchmark_speed.py --model smollm2 --output_dir outputs/benchmark \\
+        --forward-tokens 4096 --original-context 1024
+
+Prints a table and writes ``speed.json`` under ``--output_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_rope_ext import patch_model, unpatch_model
+from hf_rope_ext.loading import load_model, resolve_model_path
+
+STATIC_METHODS = ("linear", "ntk", "yarn", "llama3")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", help="model id, folder, or 'smollm2'")
+    parser.add_argument("--output_dir", required=True, type=Path)
+    parser.add_argument("--forward-tokens", type=int, default=4096)
+    parser.add_argument("--forward-repeats", type=int, default=3)
+    parser.add_argument("--original-context", type=int, default=None,
+                        help="original context for the decode benchmark (default: the model's own)")
+    parser.add_argument("--scale", type=float, default=2.0)
+    parser.add_argument("--steps-per-doubling", type=int, default=None,
+                        help="for hf_rope_ext's dynamic (default: the package default)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--attn-implementation", default="sdpa")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-forward", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true")
+    return parser.parse_args()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def forward_benchmark(model, ids, repeats: int) -> dict:
+    device = ids.device
+
+    def forward():
+        with torch.no_grad():
+            model(ids, use_cache=False, logits_to_keep=1)
+
+    forward()  # warm-up
+    results = {}
+    # Interleave the cases in every round so drifts in machine load hit all of them alike.
+    times = {name: [] for name in ("none",) + STATIC_METHODS}
+    for _ in range(repeats):
+        for name in times:
+            if name != "none":
+                patch_model(model, scale=4, method=name)
+            times[name].append(timed(forward, device))
+            if name != "none":
+                unpatch_model(model)
+    baseline = statistics.median(times["none"])
+    for name, values in times.items():
+        results[name] = {"median_s": statistics.median(values), "ratio": statistics.median(values) / baseline}
+    return results
+
+
+def decode_benchmark(args, model, tokenizer_vocab: int, device) -> dict:
+    original = args.original_context or model.config.max_position_embeddings
+    new_tokens = int(original * (args.scale - 1))
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(100, tokenizer_vocab - 1, (1, original), generator=generator).to(device)
+    kwargs = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=0)
+
+    def per_step(m) -> tuple[float, float]:
+        prefill = timed(lambda: m.generate(prompt, **{**kwargs, "min_new_tokens": 1, "max_new_tokens": 1}), device)
+        total = timed(lambda: m.generate(prompt, **kwargs), device)
+        return (total - prefill) / (new_tokens - 1), total
+
+    # transformers' own dynamic NTK with the same original context and factor.
+    config = copy.deepcopy(model.config)
+    config.rope_parameters = {"rope_type": "dynamic", "factor": args.scale,
+                              "rope_theta": model.config.rope_parameters["rope_theta"]}
+    config.max_position_embeddings = original  # where transformers' dynamic scaling starts
+    theirs = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation,
+                                              dtype=model.dtype).to(device).eval()
+    theirs.load_state_dict(model.state_dict())
+    their_step, their_total = per_step(theirs)
+    del theirs
+
+    extra = {} if args.steps_per_doubling is None else {"steps_per_doubling": args.steps_per_doubling}
+    patch_model(model, scale=args.scale, method="dynamic", original_max_length=original, **extra)
+    our_step, our_total = per_step(model)
+    unpatch_model(model)
+    return {
+        "original_context": original,
+        "generated_tokens": new_tokens,
+        "transformers_dynamic_step_s": their_step,
+        "hf_rope_ext_dynamic_step_s": our_step,
+        "ratio": our_step / their_step,
+        "transformers_total_s": their_total,
+        "hf_rope_ext_total_s": our_total,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
+                                  attn_implementation=args.attn_implementation)
+    device = next(model.parameters()).device
+    report = {"model": resolve_model_path(args.model), "device": str(device), "dtype": str(model.dtype),
+              "torch_threads": torch.get_num_threads()}
+    if not args.skip_forward:
+        ids = torch.randint(100, len(tokenizer) - 1, (1, args.forward_tokens),
+                            generator=torch.Generator().manual_seed(args.seed)).to(device)
+        report["forward"] = {"tokens": args.forward_tokens, **forward_benchmark(model, ids, args.forward_repeats)}
+        print(f"Forward pass, {args.forward_tokens} tokens, median of {args.forward_repeats}:")
+        for name, row in report["forward"].items():
+            if isinstance(row, dict):
+                print(f"  {name:<8} {row['median_s']:8.3f} s   patched/unpatched {row['ratio']:.3f}")
+    if not args.skip_decode:
+        report["decode"] = decode_benchmark(args, model, len(tokenizer), device)
+        d = report["decode"]
+        print(f"Decode from {d['original_context']} to {d['original_context'] + d['generated_tokens']} tokens:")
+        print(f"  transformers dynamic   {d['transformers_dynamic_step_s'] * 1000:8.2f} ms/step")
+        print(f"  hf_rope_ext dynamic    {d['hf_rope_ext_dynamic_step_s'] * 1000:8.2f} ms/step   ratio {d['ratio']:.3f}")
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "speed.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

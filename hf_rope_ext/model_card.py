@@ -1,0 +1,478 @@
+"""Model cards for patched checkpoints, built with huggingface_hub's ``ModelCard``/``ModelCardData``.
+
+A card says what was done (base model, method, scale, original and extended context), how to
+load the checkpoint (transformers, vLLM, llama.cpp; from :func:`hf_rope_ext.hub.runtime_settings`),
+how well it works (the evaluation tool's ``results.jsonl`` and plots) and how it was trained
+(the fine-tuning run's ``training_summary.json``)::
+
+    hf-rope-ext card --model-dir out/smollm2-yarn --eval-dir out/eval \\
+        --training-summary out/train/training_summary.json --output out/smollm2-yarn/README.md
+
+The layout lives in the Jinja template ``model_cards/patched_model.md``; the metadata the Hub
+reads (``base_model``, ``library_name``, ``tags``, ``pipeline_tag``, ``model-index``) comes
+from ``ModelCardData``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from . import config_io
+from .config_io import RecordedPatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["load_eval_results", "load_training_summary", "render_model_card", "write_model_card"]
+
+DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "patched_model.md"
+RESULTS_FILE = "results.jsonl"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_MISSING = "—"
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def load_eval_results(eval_dir: str | os.PathLike) -> tuple[list[dict[str, Any]], list[Path]]:
+    """``(records, plots)`` from an evaluation folder: ``results.jsonl`` and its ``*.png`` files.
+
+    Blank lines are skipped; a line that is not a JSON object raises ``ValueError`` naming
+    the file and line.
+    """
+    folder = Path(eval_dir)
+    path = folder / RESULTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"No {RESULTS_FILE} in {folder}; point --eval-dir at the evaluation tool's output folder.")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number} is not valid JSON ({error.msg}).") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number} holds {type(record).__name__}, expected one JSON object per line.")
+        records.append(record)
+    return records, sorted(folder.glob("*.png"))
+
+
+def load_training_summary(path: str | os.PathLike) -> dict[str, Any]:
+    """The fine-tuning run's ``training_summary.json``."""
+    path = Path(path)
+    try:
+        summary = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"Training summary {path} does not exist.") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}).") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(summary).__name__}.")
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Formatting
+# ----------------------------------------------------------------------------------------------
+
+
+def _number(value: Any, digits: int = 2) -> str:
+    if isinstance(value, bool) or value is None:
+        return _MISSING if value is None else str(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _scale(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else _number(value)
+
+
+def _tokens(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return _number(value)
+    value = float(value)
+    if value >= 1024 and value % 1024 == 0:
+        return f"{int(value) // 1024}k"
+    return f"{value:g}"
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return ", ".join(f"{key}={_value(item)}" for key, item in value.items()) or _MISSING
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_value(item) for item in value) or _MISSING
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return _number(value)
+
+
+def _same_patch(record: Mapping[str, Any], patch: RecordedPatch) -> bool:
+    scale = record.get("scale")
+    return record.get("method") == patch.method.name and isinstance(scale, (int, float)) and math.isclose(
+        float(scale), patch.scale
+    )
+
+
+def _perplexity_tables(records: list[dict[str, Any]]) -> tuple[list[dict], list[str], list[dict]]:
+    rows, bucket_rows = [], []
+    bucket_ranges: dict[tuple[int, int], None] = {}
+    for record in records:
+        if record.get("kind") != "perplexity":
+            continue
+        if record.get("ppl") is None and not record.get("buckets"):
+            logger.warning("Skipping a perplexity result without ppl or buckets: %s", record)
+            continue
+        common = {
+            "method": record.get("method", _MISSING),
+            "scale": _scale(record.get("scale")),
+            "document": record.get("document", _MISSING),
+            "context": _number(record.get("context_length")),
+        }
+        if record.get("ppl") is not None:
+            rows.append({
+                **common,
+                "mode": record.get("mode", _MISSING),
+                "stride": _number(record.get("stride")),
+                "ppl": _number(record["ppl"]),
+                "_sort": (str(common["method"]), float(record.get("scale") or 0), record.get("context_length") or 0),
+            })
+        buckets = {}
+        for bucket in record.get("buckets") or []:
+            if isinstance(bucket, (list, tuple)) and len(bucket) == 3:
+                start, end, value = bucket
+                buckets[(int(start), int(end))] = value
+                bucket_ranges[(int(start), int(end))] = None
+        if buckets:
+            bucket_rows.append({**common, "_buckets": buckets,
+                                "_sort": (str(common["method"]), float(record.get("scale") or 0),
+                                          record.get("context_length") or 0)})
+    header_ranges = sorted(bucket_ranges)
+    for row in bucket_rows:
+        row["cells"] = [_number(row["_buckets"].get(span)) for span in header_ranges]
+    header = [f"{_tokens(start)}-{_tokens(end)}" for start, end in header_ranges]
+    rows.sort(key=lambda row: row["_sort"])
+    bucket_rows.sort(key=lambda row: row["_sort"])
+    return rows, header, bucket_rows
+
+
+def _retrieval_table(records: list[dict[str, Any]]) -> list[dict]:
+    groups: dict[tuple, dict[str, Any]] = defaultdict(lambda: {"correct": 0, "trials": 0, "depths": set(), "accuracy": []})
+    for record in records:
+        if record.get("kind") != "retrieval":
+            continue
+        key = (record.get("task", _MISSING), str(record.get("method", _MISSING)), record.get("scale"), record.get("length"))
+        group = groups[key]
+        if isinstance(record.get("correct"), int) and isinstance(record.get("trials"), int):
+            group["correct"] += record["correct"]
+            group["trials"] += record["trials"]
+        elif record.get("accuracy") is not None:
+            group["accuracy"].append(float(record["accuracy"]))
+        if record.get("depth") is not None:
+            group["depths"].add(record["depth"])
+    rows = []
+    for (task, method, scale, length), group in groups.items():
+        if group["trials"]:
+            accuracy = group["correct"] / group["trials"]
+            correct = f"{group['correct']}/{group['trials']}"
+        elif group["accuracy"]:
+            accuracy, correct = sum(group["accuracy"]) / len(group["accuracy"]), _MISSING
+        else:
+            continue
+        rows.append({
+            "task": task,
+            "method": method,
+            "scale": _scale(scale),
+            "length": _number(length),
+            "depths": ", ".join(f"{depth:g}" for depth in sorted(group["depths"])) or _MISSING,
+            "correct": correct,
+            "accuracy": f"{accuracy:.0%}",
+            "_sort": (str(task), method, float(scale or 0), length or 0),
+        })
+    rows.sort(key=lambda row: row["_sort"])
+    return rows
+
+
+def _eval_results(records: list[dict[str, Any]], patch: RecordedPatch):
+    """``EvalResult`` entries (the Hub's model-index) for this checkpoint's own rows."""
+    from huggingface_hub import EvalResult
+
+    results = []
+    for record in records:
+        if not _same_patch(record, patch):
+            continue
+        if record.get("kind") == "perplexity" and isinstance(record.get("ppl"), (int, float)):
+            document = str(record.get("document", "text"))
+            results.append(EvalResult(
+                task_type="text-generation",
+                task_name="Language modeling",
+                dataset_type=document,
+                dataset_name=document,
+                metric_type="perplexity",
+                metric_value=round(float(record["ppl"]), 4),
+                metric_name=f"perplexity ({record.get('mode', 'forward')}, {record.get('context_length')} tokens)",
+            ))
+    for row in _retrieval_table([r for r in records if _same_patch(r, patch)]):
+        results.append(EvalResult(
+            task_type="text-generation",
+            task_name=f"{row['task']} retrieval",
+            dataset_type=str(row["task"]),
+            dataset_name=f"{row['task']} retrieval",
+            metric_type="accuracy",
+            metric_value=float(row["accuracy"].rstrip("%")) / 100,
+            metric_name=f"{row['task']} accuracy ({row['length']} tokens)",
+        ))
+    return results
+
+
+_TRAINING_LABELS = {
+    "base_model": "Base model",
+    "method": "Method",
+    "scale": "Scale",
+    "original_context": "Original context (tokens)",
+    "target_length": "Target length (tokens)",
+    "pose": "PoSE (positional skip-wise training)",
+    "steps": "Optimizer steps",
+    "learning_rate": "Learning rate",
+    "tokens_seen": "Tokens seen",
+    "tokens_per_second": "Tokens per second",
+    "final_loss": "Final training loss",
+    "wall_time_s": "Wall time (s)",
+}
+_LORA_LABELS = {
+    "rank": "LoRA rank",
+    "alpha": "LoRA alpha",
+    "target_modules": "LoRA target modules",
+    "trainable_params": "Trainable parameters",
+}
+
+
+def _training_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for key, label in _TRAINING_LABELS.items():
+        if key in summary:
+            value = summary[key]
+            rows.append((label, _value(value) if key not in ("final_loss",) else _number(value, 4)))
+    lora = summary.get("lora")
+    if isinstance(lora, Mapping):
+        rows += [(label, _value(lora[key])) for key, label in _LORA_LABELS.items() if key in lora]
+        rows += [(f"LoRA {key}", _value(value)) for key, value in lora.items() if key not in _LORA_LABELS]
+    for key, value in summary.items():  # data files and anything newer runs record
+        if key not in _TRAINING_LABELS and key != "lora":
+            rows.append((key.replace("_", " ").capitalize(), _value(value)))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# The card
+# ----------------------------------------------------------------------------------------------
+
+
+def _hub_base_model(candidate: Any) -> str:
+    from .loading import SMOLLM2_ALIASES, SMOLLM2_HUB_ID
+
+    if isinstance(candidate, str) and candidate.lower() in SMOLLM2_ALIASES:
+        return SMOLLM2_HUB_ID
+    if not isinstance(candidate, str) or not _HUB_ID.match(candidate) or Path(candidate).exists():
+        raise ValueError(
+            f"base_model must be the base model's Hub repo id (like 'HuggingFaceTB/SmolLM2-135M-Instruct'), got "
+            f"{candidate!r}; pass base_model= (--base-model on the command line)."
+        )
+    return candidate
+
+
+def render_model_card(
+    config: Any,
+    *,
+    base_model: str | None = None,
+    eval_dir: str | os.PathLike | None = None,
+    training_summary: str | os.PathLike | Mapping[str, Any] | None = None,
+    repo_id: str | None = None,
+    license: str | None = None,
+    template_path: str | os.PathLike | None = None,
+):
+    """``(card, plots)``: a ``huggingface_hub.ModelCard`` for a checkpoint saved from a patched
+    model, and the plot files it references.
+
+    Args:
+        config: the checkpoint's config (or a patched model): its ``hf_rope_ext`` record
+            supplies method, scale, parameters and context lengths.
+        base_model: Hub id of the base model; defaults to the training summary's.
+        eval_dir: folder with the evaluation tool's ``results.jsonl`` and ``*.png`` plots.
+        training_summary: the fine-tuning run's ``training_summary.json`` (path or dict).
+        repo_id: where the checkpoint will live, used in the loading instructions.
+        license: the license identifier for the metadata (usually the base model's).
+        template_path: a Jinja template; default ``model_cards/patched_model.md``.
+
+    The card references the plots by file name; :func:`write_model_card` (or
+    :func:`hf_rope_ext.hub.save_patched` with ``card_assets=plots``) puts them next to it.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from . import __version__, get_method, list_methods
+    from .hub import runtime_settings
+
+    config = getattr(config, "config", config)
+    patch = config_io.verify_record(config)
+    if patch is None:
+        raise ValueError(
+            "This config has no hf_rope_ext record, so there is no patch to describe; write the card for a checkpoint "
+            "saved from a model patched with hf_rope_ext (hf_rope_ext.hub.save_patched)."
+        )
+    summary = load_training_summary(training_summary) if isinstance(training_summary, (str, os.PathLike)) else (
+        dict(training_summary) if training_summary is not None else None
+    )
+    base_model = _hub_base_model(base_model or (summary or {}).get("base_model"))
+    records, plots = load_eval_results(eval_dir) if eval_dir is not None else ([], [])
+    template = Path(template_path) if template_path is not None else DEFAULT_TEMPLATE
+    if not template.is_file():
+        raise FileNotFoundError(
+            f"Model card template {template} not found; it ships in the hf-rope-ext repository's model_cards/ folder. "
+            "Pass template_path= (--template)."
+        )
+
+    method = patch.method
+    name = repo_id.split("/")[-1] if repo_id else f"{base_model.split('/')[-1]}-{method.name}-x{patch.scale:g}"
+    settings = runtime_settings(config)
+    eval_results = _eval_results(records, patch)
+    card_data = ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=license,
+        tags=["hf-rope-ext", "long-context", "rope-scaling", f"rope-{method.name}"],
+        model_name=name if eval_results else None,
+        eval_results=eval_results or None,
+    )
+    perplexity_rows, bucket_header, bucket_rows = _perplexity_tables(records)
+    defaults = get_method(method.name).defaults
+    native = method.transformers_rope_type is not None
+    plain_note = None
+    if method.name == "dynamic" and patch.steps_per_doubling is not None:
+        plain_note = (
+            f"transformers' `dynamic` follows the input length token by token; this checkpoint was made with "
+            f"frequency steps at {patch.steps_per_doubling} per doubling of the length, which plain transformers "
+            "reproduces only at those lengths."
+        )
+    elif method.length_dependent:
+        plain_note = (
+            "transformers recomputes the frequencies as the input grows but keeps earlier keys in the KV cache "
+            "unchanged, so generation beyond the original context can drift from a full forward pass."
+        )
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(template),
+        model_name=name,
+        repo_id=repo_id or "path/to/this/checkpoint",
+        base_model=base_model,
+        method=method.name,
+        method_summary=list_methods().get(method.name, ""),
+        scale=f"{patch.scale:g}",
+        original_context=patch.original_max_position_embeddings,
+        extended_context=patch.extended_context,
+        rope_theta=f"{patch.original_rope_theta:g}",
+        method_params=[(key, _value(value)) for key, value in patch.params.items() if key in defaults],
+        steps_per_doubling=patch.steps_per_doubling if method.length_dependent else None,
+        fine_tuned=summary is not None,
+        native=native,
+        native_rope_type=method.transformers_rope_type,
+        custom_rope_type=config_io.custom_rope_type(method),
+        plain_transformers_note=plain_note,
+        vllm=settings.vllm,
+        llama_cpp=settings.llama_cpp,
+        llama_cpp_metadata=[(key, _value(value)) for key, value in settings.llama_cpp.settings.get("gguf_metadata", {}).items()],
+        perplexity_rows=perplexity_rows,
+        bucket_header=bucket_header,
+        bucket_rows=bucket_rows,
+        retrieval_rows=_retrieval_table(records),
+        plots=[plot.name for plot in plots],
+        training_rows=_training_rows(summary) if summary else [],
+        version=__version__,
+    ), plots
+
+
+def write_model_card(card: Any, output: str | os.PathLike, plots: Iterable[str | os.PathLike] = ()) -> Path:
+    """Write ``card`` to ``output`` and copy the plots it references next to it.
+
+    Each file is written to a temporary name and renamed into place, so an interrupted run
+    leaves no half-written card or image.
+    """
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    for plot in map(Path, plots):
+        destination = output.parent / plot.name
+        if destination.resolve() == plot.resolve():
+            continue
+        _atomic_write(destination, lambda path, plot=plot: shutil.copyfile(plot, path))
+    text = str(card) if str(card).endswith("\n") else f"{card}\n"
+    _atomic_write(output, lambda path: Path(path).write_text(text))
+    return output
+
+
+def _atomic_write(destination: Path, write) -> None:
+    handle, temporary = tempfile.mkstemp(prefix=f".{destination.name}.", dir=destination.parent)
+    os.close(handle)
+    try:
+        write(temporary)
+        os.replace(temporary, destination)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line: hf-rope-ext card
+# ----------------------------------------------------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "card",
+        help="render a model card for a patched checkpoint",
+        description="Render README.md for a checkpoint saved from a patched model, with loading instructions, the "
+        "evaluation tool's results and plots, and the fine-tuning run's summary.",
+    )
+    parser.add_argument("--model-dir", required=True, help="the saved checkpoint (its config.json is read)")
+    parser.add_argument("--eval-dir", help="folder with results.jsonl and *.png from the evaluation tool")
+    parser.add_argument("--training-summary", help="training_summary.json of the fine-tuning run")
+    parser.add_argument("--base-model", help="Hub id of the base model (default: from the training summary)")
+    parser.add_argument("--repo-id", help="Hub repo id the checkpoint is pushed to (used in the instructions)")
+    parser.add_argument("--license", help="license identifier for the card metadata")
+    parser.add_argument("--template", help="Jinja template (default: model_cards/patched_model.md)")
+    parser.add_argument("--output", help="where to write the card (default: MODEL_DIR/README.md)")
+    parser.set_defaults(handler=_card_command)
+
+
+def _card_command(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(args.model_dir)
+    card, plots = render_model_card(
+        config,
+        base_model=args.base_model,
+        eval_dir=args.eval_dir,
+        training_summary=args.training_summary,
+        repo_id=args.repo_id,
+        license=args.license,
+        template_path=args.template,
+    )
+    output = write_model_card(card, args.output or Path(args.model_dir) / "README.md", plots)
+    print(f"Wrote {output}" + (f" and {len(plots)} plot(s)" if plots else ""))
+    return 0

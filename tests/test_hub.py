@@ -1,0 +1,621 @@
+"""Patched checkpoints: save, reload (with and without hf_rope_ext), offline Hub, runtimes, cards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FAMILIES, ORIGINAL_CONTEXT, make_config, make_model, random_ids
+from huggingface_hub import ModelCard
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+import hf_rope_ext
+from hf_rope_ext import get_patch_info, patch_model, unpatch_model
+from hf_rope_ext.cli import main as cli_main
+from hf_rope_ext.hub import (
+    describe_patch,
+    load_patched,
+    push_patched_to_hub,
+    restore_patch,
+    runtime_settings,
+    save_patched,
+)
+from hf_rope_ext.methods import default_inv_freq
+from hf_rope_ext.model_card import render_model_card, write_model_card
+
+L0 = ORIGINAL_CONTEXT
+LONG_FACTOR = [1.0 + 0.5 * i for i in range(8)]  # head_dim 16 -> 8 frequencies
+NATIVE = ["linear", "ntk", "dynamic", "yarn", "llama3", "longrope"]
+CUSTOM = ["dynamic-yarn", "dynamic-linear"]
+LENGTH = 3 * L0 + 5  # beyond the original context, not on a frequency step
+
+
+def _patch(model, method, scale=4, **kwargs):
+    if method == "longrope":
+        kwargs.setdefault("long_factor", LONG_FACTOR)
+    return patch_model(model, scale=scale, method=method, **kwargs)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _hub_cache_snapshot(cache: Path, repo_id: str, folder: Path) -> None:
+    """Lay out ``folder`` as the Hub cache does: blobs by sha256, a snapshot of links, refs/main."""
+    org, name = repo_id.split("/")
+    repo = cache / f"models--{org}--{name}"
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    for file in sorted(folder.iterdir()):
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = repo / "snapshots" / commit / file.name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+
+
+# ----------------------------------------------------------------------------------------------
+# A fresh interpreter without hf_rope_ext, then with it, on an offline Hub cache
+# ----------------------------------------------------------------------------------------------
+
+FRESH_INTERPRETER = textwrap.dedent(
+    """
+    import importlib.abc, json, sys
+    from safetensors.torch import load_file
+
+    class NotInstalled(importlib.abc.MetaPathFinder):  # as if hf_rope_ext were not installed
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "hf_rope_ext":
+                raise ModuleNotFoundError(f"No module named {name!r}")
+
+    blocker = NotInstalled()
+    sys.meta_path.insert(0, blocker)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    manifest = json.load(open(sys.argv[1]))
+    report = {"native": {}, "custom_errors": {}}
+
+    def max_error(source, case):
+        model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
+        tensors = load_file(case["tensors"])
+        with torch.no_grad():
+            return (model(tensors["ids"]).logits - tensors["expected"]).abs().max().item(), model
+
+    for name, case in manifest["native"].items():
+        error, model = max_error(case["path"], case)
+        report["native"][name] = {"error": error, "rope_type": model.config.rope_parameters["rope_type"]}
+    for name, path in manifest["custom"].items():
+        try:
+            AutoModelForCausalLM.from_pretrained(path)
+            report["custom_errors"][name] = None
+        except Exception as exc:
+            report["custom_errors"][name] = f"{type(exc).__name__}: {exc}"
+    case = manifest["hub_native"]
+    report["hub_native_error"] = max_error(case["repo_id"], case)[0]
+    report["imported_without_package"] = "hf_rope_ext" in sys.modules
+
+    sys.meta_path.remove(blocker)  # now "install" the package
+    import hf_rope_ext
+    from hf_rope_ext import unpatch_model
+    from hf_rope_ext.hub import load_patched
+
+    case = manifest["hub_custom"]
+    tensors = load_file(case["tensors"])
+    model = load_patched(case["repo_id"], attn_implementation="eager").eval()
+    with torch.no_grad():
+        report["hub_custom_error"] = (model(tensors["ids"]).logits - tensors["expected"]).abs().max().item()
+        unpatch_model(model)
+        report["hub_custom_unpatched_equal"] = bool(torch.equal(model(tensors["ids"]).logits, tensors["base"]))
+    print("REPORT" + json.dumps(report))
+    """
+)
+
+
+def test_fresh_interpreter_without_and_with_package(tmp_path):
+    manifest = {"native": {}, "custom": {}}
+    ids = random_ids(LENGTH)
+    cases = [(family, method, {}) for family in FAMILIES for method in NATIVE]
+    # patch_model's default for `dynamic` changes frequencies in steps; transformers' `dynamic`
+    # follows every length, so the two agree at the step lengths (2 * L0 is one).
+    cases += [(family, "dynamic", {"steps_per_doubling": None}) for family in FAMILIES]
+    for family, method, kwargs in cases:
+        name = f"{family}-{method}" + ("-exact" if kwargs else "")
+        model = make_model(family)
+        _patch(model, method, **kwargs)
+        case_ids = random_ids(2 * L0) if method == "dynamic" and not kwargs else ids
+        tensors = tmp_path / f"{name}.safetensors"
+        save_file({"ids": case_ids, "expected": _logits(model, case_ids)}, tensors)
+        manifest["native"][name] = {"path": str(save_patched(model, tmp_path / name)), "tensors": str(tensors)}
+    for method in CUSTOM:
+        model = make_model("qwen2")
+        _patch(model, method)
+        manifest["custom"][method] = str(save_patched(model, tmp_path / method))
+
+    cache = tmp_path / "hub_cache"
+    _hub_cache_snapshot(cache, "hf-rope-ext-test/tiny-llama-yarn", Path(manifest["native"]["llama-yarn"]["path"]))
+    manifest["hub_native"] = {"repo_id": "hf-rope-ext-test/tiny-llama-yarn", "tensors": manifest["native"]["llama-yarn"]["tensors"]}
+    base = make_model("mistral")
+    model = make_model("mistral")
+    _patch(model, "dynamic-yarn")
+    folder = save_patched(model, tmp_path / "mistral-dynamic-yarn")
+    _hub_cache_snapshot(cache, "hf-rope-ext-test/tiny-mistral-dynamic-yarn", folder)
+    tensors = tmp_path / "mistral-dynamic-yarn.safetensors"
+    save_file({"ids": ids, "expected": _logits(model, ids), "base": _logits(base, ids)}, tensors)
+    manifest["hub_custom"] = {"repo_id": "hf-rope-ext-test/tiny-mistral-dynamic-yarn", "tensors": str(tensors)}
+
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "check.py").write_text(FRESH_INTERPRETER)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(cache),
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "PYTHONPATH": "",
+    }
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "check.py"), str(tmp_path / "manifest.json")],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.split("REPORT", 1)[1])
+
+    assert not report["imported_without_package"]
+    assert len(report["native"]) == len(cases)
+    for name, outcome in report["native"].items():
+        assert outcome["error"] < 2e-5, (name, outcome)
+        assert not outcome["rope_type"].startswith("hf_rope_ext"), name
+    for method, message in report["custom_errors"].items():
+        assert message is not None, f"{method} loaded without hf_rope_ext"
+        assert message.startswith("KeyError") and "pip install hf-rope-ext" in message and "import hf_rope_ext" in message
+    assert report["hub_native_error"] < 2e-5
+    assert report["hub_custom_error"] < 2e-5
+    assert report["hub_custom_unpatched_equal"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Round trips with the package
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", NATIVE + CUSTOM)
+def test_round_trip_restores_the_patch_and_the_original(tmp_path, family, method):
+    base_config = make_config(family).to_dict()
+    model = make_model(family)
+    ids = random_ids(LENGTH)
+    base_logits = _logits(model, ids)
+    _patch(model, method)
+    info = get_patch_info(model)
+    patched_logits = _logits(model, ids)
+    assert not torch.allclose(patched_logits, base_logits, atol=1e-3)  # the patch matters at this length
+
+    loaded = load_patched(save_patched(model, tmp_path / "ckpt"), attn_implementation="eager").eval()
+    assert get_patch_info(loaded) == info
+    torch.testing.assert_close(_logits(loaded, ids), patched_logits, rtol=0, atol=2e-5)
+
+    unpatch_model(loaded)
+    assert torch.equal(_logits(loaded, ids), base_logits)
+    config = loaded.config.to_dict()
+    for key in ("rope_parameters", "max_position_embeddings"):
+        assert config[key] == base_config[key]
+    assert "hf_rope_ext" not in config
+
+
+@pytest.mark.parametrize("method", CUSTOM)
+def test_plain_from_pretrained_with_package(tmp_path, method):
+    model = make_model("llama")
+    _patch(model, method)
+    folder = save_patched(model, tmp_path / "ckpt")
+    for length in (L0 - 3, 2 * L0 + 7, LENGTH):  # fresh model per length: transformers' dynamic state
+        loaded = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        ids = random_ids(length)
+        torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=2e-5)
+
+
+def test_restored_patch_keeps_generation_exact(tmp_path):
+    """transformers' module keeps stale cached keys; the restored patch recomputes them."""
+    model = make_model("qwen3")
+    _patch(model, "dynamic-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    ids = random_ids(2 * L0 + 6)
+    full = _logits(model, ids)[0, -1]
+
+    def last_step(loaded):
+        with torch.no_grad():
+            out = loaded(ids[:, : L0 - 4], use_cache=True)
+            cache = out.past_key_values
+            for position in range(L0 - 4, ids.shape[1]):
+                out = loaded(ids[:, position : position + 1], past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+        return out.logits[0, -1]
+
+    restored = load_patched(folder, attn_implementation="eager").eval()
+    plain = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    torch.testing.assert_close(last_step(restored), full, rtol=0, atol=1e-4)
+    assert (last_step(plain) - full).abs().max() > 1e-3
+
+
+def test_user_registered_method_round_trip(tmp_path):
+    def halve(rotary_dim, base, params, seq_len=None):
+        """Halve every frequency."""
+        return default_inv_freq(rotary_dim, base) / 2, 1.0
+
+    hf_rope_ext.register_method("halve-test", halve)
+    try:
+        model = make_model("llama")
+        patch_model(model, scale=2, method="halve-test")
+        ids = random_ids(LENGTH)
+        folder = save_patched(model, tmp_path / "ckpt")
+        loaded = load_patched(folder, attn_implementation="eager").eval()
+        torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=2e-5)
+        settings = runtime_settings(loaded)
+        assert settings.vllm.status == settings.llama_cpp.status == "unsupported"
+        assert "halve-test" in settings.vllm.notes[0] and "halve-test" in settings.llama_cpp.notes[0]
+    finally:
+        hf_rope_ext.unregister_method("halve-test")
+    with pytest.raises(ValueError, match=r"method 'halve-test', which is not registered.*register_method"):
+        load_patched(folder)
+
+
+# ----------------------------------------------------------------------------------------------
+# Corrupt and contradictory configs
+# ----------------------------------------------------------------------------------------------
+
+
+def _edit_config(folder: Path, edit) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    for key in ("rope_scaling", "rope_theta"):  # keep the legacy spelling out of the way
+        config.pop(key, None)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "method, edit, message",
+    [
+        ("yarn", lambda c: c["rope_parameters"].update(factor=8.0), r"'factor' is 8.0, expected 4.0"),
+        ("ntk", lambda c: c["rope_parameters"].update(rope_theta=10000.0), r"'rope_theta' is 10000.0, expected"),
+        ("linear", lambda c: c.update(max_position_embeddings=64), r"max_position_embeddings is 64, expected 128"),
+        ("llama3", lambda c: c["rope_parameters"].update(rope_type="yarn"), r"rope_type is 'yarn', expected 'llama3'"),
+        ("yarn", lambda c: c["rope_parameters"].update(beta_fast=8.0), r"'beta_fast' is 8.0, expected 32.0"),
+        ("dynamic-yarn", lambda c: c["hf_rope_ext"].update(scale=2.0), r"'factor' is 4.0, expected 2.0"),
+        ("yarn", lambda c: c["hf_rope_ext"].pop("params"), r"lacks \['params'\]"),
+        ("yarn", lambda c: c["hf_rope_ext"].update(scale="4"), r"scale='4'; it must be a number > 1"),
+        ("yarn", lambda c: c["hf_rope_ext"]["params"].update(beta_fats=3), r"does not accept.*did you mean 'beta_fast'"),
+        ("yarn", lambda c: c["hf_rope_ext"].update(method="yarnn"), r"method 'yarnn', which is not registered"),
+        ("dynamic", lambda c: c["hf_rope_ext"].update(steps_per_doubling=0), r"steps_per_doubling=0"),
+    ],
+)
+def test_contradictory_config_is_refused(tmp_path, method, edit, message):
+    model = make_model("llama")
+    _patch(model, method)
+    folder = save_patched(model, tmp_path / "ckpt")
+    _edit_config(folder, edit)
+    with pytest.raises(ValueError, match=message):
+        load_patched(folder)
+
+
+def test_custom_type_contradiction_stops_plain_from_pretrained(tmp_path):
+    model = make_model("llama")
+    _patch(model, "dynamic-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    _edit_config(folder, lambda c: c["rope_parameters"].update(factor=8.0))
+    with pytest.raises(ValueError, match="contradicts the RoPE fields"):
+        AutoModelForCausalLM.from_pretrained(folder)
+    _edit_config(folder, lambda c: (c["rope_parameters"].pop("factor"), c.pop("hf_rope_ext")))
+    with pytest.raises(ValueError, match=r"lacks \['factor'\]"):
+        AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_restore_and_save_refuse_models_without_a_patch(tmp_path):
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="not patched by hf_rope_ext"):
+        save_patched(model, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="no `hf_rope_ext` record"):
+        restore_patch(model)
+    _patch(model, "yarn")
+    with pytest.raises(ValueError, match="already patched"):
+        restore_patch(model)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+# ----------------------------------------------------------------------------------------------
+# What save_patched writes
+# ----------------------------------------------------------------------------------------------
+
+
+def _tokenizer(max_length):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")), model_max_length=max_length
+    )
+
+
+def test_saved_files(tmp_path):
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "training_summary.json").write_text("{}")
+    (target / "model-00001-of-00002.safetensors").write_text("stale shard")
+    model = make_model("qwen2")
+    _patch(model, "yarn", beta_fast=16)
+    tokenizer = _tokenizer(L0)
+    save_patched(model, target, tokenizer=tokenizer, card="# card\n")
+
+    names = {path.name for path in target.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer_config.json", "README.md", "training_summary.json"} <= names
+    assert "model-00001-of-00002.safetensors" not in names
+    assert not [path for path in tmp_path.iterdir() if path.name.startswith(".ckpt")]  # no staging folder left
+    saved = json.loads((target / "config.json").read_text())
+    assert saved["rope_parameters"]["beta_fast"] == 16 and saved["max_position_embeddings"] == 4 * L0
+    # transformers 4.x spelling: same values, read back by transformers 5 to the same config
+    assert saved["rope_theta"] == saved["rope_parameters"]["rope_theta"]
+    assert saved["rope_scaling"] == {k: v for k, v in saved["rope_parameters"].items() if k != "rope_theta"}
+    legacy_only = dict(saved)
+    legacy_only.pop("rope_parameters")
+    (tmp_path / "legacy").mkdir()
+    (tmp_path / "legacy" / "config.json").write_text(json.dumps(legacy_only))
+    assert AutoConfig.from_pretrained(tmp_path / "legacy").rope_parameters == model.config.rope_parameters
+    # vLLM caps its maximum length by the tokenizer's: raised in the saved copy only
+    assert json.loads((target / "tokenizer_config.json").read_text())["model_max_length"] == 4 * L0
+    assert tokenizer.model_max_length == L0
+
+
+def test_failed_save_leaves_the_target_alone(tmp_path):
+    model = make_model("llama")
+    _patch(model, "linear")
+    target = save_patched(model, tmp_path / "ckpt")
+    before = {path.name: path.read_bytes() for path in target.iterdir()}
+    _patch(model, "yarn")
+    with pytest.raises(FileNotFoundError):
+        save_patched(model, target, card="x", card_assets=[tmp_path / "missing.png"])
+    assert {path.name: path.read_bytes() for path in target.iterdir()} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
+
+
+class RecordingApi:
+    """Stands in for huggingface_hub.HfApi: records what would be uploaded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        files = {path.name: path.read_bytes() for path in Path(folder_path).iterdir()}
+        self.calls.append(("upload_folder", repo_id, {**kwargs, "files": files}))
+        return "commit-info"
+
+
+def test_push_to_hub_uploads_a_checked_folder(tmp_path):
+    model = make_model("mistral")
+    _patch(model, "dynamic-linear")
+    plot = tmp_path / "ppl_vs_length.png"
+    plot.write_bytes(b"png")
+    api = RecordingApi()
+    assert push_patched_to_hub(model, "me/tiny", card="# card\n", card_assets=[plot], private=True, api=api) == "commit-info"
+    (create, repo, create_kwargs), (upload, repo_again, upload_kwargs) = api.calls
+    assert (create, repo, repo_again) == ("create_repo", "me/tiny", "me/tiny")
+    assert create_kwargs["exist_ok"] and create_kwargs["private"]
+    files = upload_kwargs["files"]
+    assert {"config.json", "model.safetensors", "README.md", "ppl_vs_length.png"} <= set(files)
+    assert "dynamic-linear x4" in upload_kwargs["commit_message"]
+    assert json.loads(files["config.json"])["hf_rope_ext"]["method"] == "dynamic-linear"
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM and llama.cpp settings, checked against transformers and llama.cpp's formulas
+# ----------------------------------------------------------------------------------------------
+
+
+def _transformers_frequencies(config, overrides, seq_len):
+    """What transformers computes from a config with vLLM-style overrides applied."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = AutoConfig.for_model(**{**config.to_dict(), **overrides})
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":
+        head_dim = config.head_dim
+        return default_inv_freq(head_dim, config.rope_parameters["rope_theta"]), 1.0
+    inv_freq, attention = ROPE_INIT_FUNCTIONS[rope_type](config, seq_len=seq_len)
+    return inv_freq.double(), attention
+
+
+@pytest.mark.parametrize("method", NATIVE + CUSTOM)
+def test_vllm_overrides_reproduce_the_patch(method):
+    model = make_model("llama")
+    base_config = AutoConfig.for_model(**model.config.to_dict())
+    _patch(model, method)
+    settings = runtime_settings(model)
+    overrides = settings.vllm.settings["hf_overrides"]
+    assert settings.vllm.args[:2] == ("--max-model-len", str(4 * L0))
+    assert json.loads(settings.vllm.args[3]) == overrides
+    overrides = dict(overrides)
+    overrides["rope_parameters"] = {
+        k: v for k, v in overrides["rope_parameters"].items() if k not in ("short_mscale", "long_mscale", "attn_factor")
+    }
+    rotary = model.model.rotary_emb
+    lengths = [4 * L0] if settings.vllm.status == "approximate" else [L0 + 1, 4 * L0]
+    for length in lengths:
+        expected, expected_attention = rotary.frequencies(length)
+        got, attention = _transformers_frequencies(base_config, overrides, length)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+        if method == "longrope":  # vLLM takes the attention factor from short/long_mscale
+            attention = settings.vllm.settings["hf_overrides"]["rope_parameters"]["long_mscale"]
+        assert math.isclose(attention, expected_attention, rel_tol=1e-6)
+    expected_status = {"dynamic": "approximate", "longrope": "approximate", "dynamic-yarn": "approximate",
+                       "dynamic-linear": "approximate"}.get(method, "exact")
+    assert settings.vllm.status == expected_status
+
+
+def _llama_cpp_frequencies(flags, rotary_dim):
+    """llama.cpp's RoPE from its command-line flags, written from ggml's rope_yarn
+    (ggml/src/ggml-cpu/ops.cpp) and llama_context's YaRN attention factor (src/llama-context.cpp)."""
+    base = float(flags["--rope-freq-base"])
+    scaling = flags["--rope-scaling"]
+    freq_scale = 1.0 / float(flags["--rope-scale"]) if scaling in ("linear", "yarn") else 1.0
+    theta = [base ** (-2 * i / rotary_dim) for i in range(rotary_dim // 2)]
+    if scaling != "yarn":
+        return torch.tensor([t * freq_scale for t in theta], dtype=torch.float64), 1.0
+    n_ctx_orig = int(flags["--yarn-orig-ctx"])
+
+    def corr_dim(rotations):
+        return rotary_dim * math.log(n_ctx_orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(0.0, math.floor(corr_dim(float(flags["--yarn-beta-fast"]))))
+    high = min(rotary_dim - 1.0, math.ceil(corr_dim(float(flags["--yarn-beta-slow"]))))
+    ext_factor = float(flags["--yarn-ext-factor"])
+    out = []
+    for i, t in enumerate(theta):
+        ramp = 1 - min(1.0, max(0.0, (i - low) / max(0.001, high - low)))
+        mix = ramp * ext_factor
+        out.append(t * freq_scale * (1 - mix) + t * mix)
+    mscale = float(flags["--yarn-attn-factor"]) * (1 + 0.1 * math.log(1 / freq_scale))
+    return torch.tensor(out, dtype=torch.float64), mscale
+
+
+@pytest.mark.parametrize("method", ["linear", "ntk", "yarn", "dynamic-yarn", "dynamic-linear", "dynamic"])
+def test_llama_cpp_flags_reproduce_the_patch(method):
+    gguf = pytest.importorskip("gguf")
+    model = make_model("qwen2")
+    _patch(model, method)
+    command = runtime_settings(model).llama_cpp
+    flags = dict(zip(command.args[::2], command.args[1::2]))
+    assert flags["--ctx-size"] == str(4 * L0)
+    got, mscale = _llama_cpp_frequencies(flags, rotary_dim=16)
+    expected, attention = model.model.rotary_emb.frequencies(4 * L0)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=0)
+    assert math.isclose(mscale, attention, rel_tol=1e-9)
+    assert command.status == ("exact" if method in ("linear", "ntk", "yarn") else "approximate")
+    # metadata keys are the GGUF spec's (gguf-py constants), for the qwen2 architecture
+    known = {value.format(arch="qwen2") for name, value in vars(gguf.constants.Keys.Rope).items() if name.isupper()}
+    known.add(gguf.constants.Keys.LLM.CONTEXT_LENGTH.format(arch="qwen2"))
+    assert set(command.settings["gguf_metadata"]) <= known
+
+
+def test_runtime_messages_for_what_cannot_be_expressed():
+    qwen = make_config("qwen2")
+    llama3_on_qwen = runtime_settings(qwen, "llama3", 4)
+    assert llama3_on_qwen.llama_cpp.status == "unsupported" and not llama3_on_qwen.llama_cpp.args
+    llama3_on_llama = runtime_settings(make_config("llama"), "llama3", 4)
+    assert llama3_on_llama.llama_cpp.status == "exact"
+    assert llama3_on_llama.llama_cpp.args == ("--ctx-size", str(4 * L0))
+    assert "rope_freqs" in " ".join(llama3_on_llama.llama_cpp.notes)
+    longrope = runtime_settings(qwen, "longrope", 4, long_factor=LONG_FACTOR)
+    assert longrope.llama_cpp.status == "unsupported" and "Phi-3" in longrope.llama_cpp.notes[0]
+    dynamic_yarn = runtime_settings(qwen, "dynamic-yarn", 4)
+    assert "No runtime has dynamic YaRN" in dynamic_yarn.vllm.notes[0]
+    dynamic = runtime_settings(qwen, "dynamic", 4)
+    assert "no dynamic NTK" in " ".join(dynamic.llama_cpp.notes)
+    assert "no length-dependent NTK" in " ".join(dynamic.vllm.notes)
+    # a patched config answers without method/scale; an unpatched one needs them
+    with pytest.raises(ValueError, match="give method= and scale="):
+        runtime_settings(qwen)
+
+
+def test_runtime_settings_of_a_described_patch_and_the_cli(capsys):
+    described = describe_patch("yarn", 4, original_max_length=8192, rope_theta=1e5, rotary_dim=64)
+    settings = runtime_settings(described, model_type="llama")
+    flags = dict(zip(settings.llama_cpp.args[::2], settings.llama_cpp.args[1::2]))
+    assert flags["--yarn-orig-ctx"] == "8192" and flags["--rope-scale"] == "4" and flags["--ctx-size"] == "32768"
+    assert settings.llama_cpp.settings["gguf_metadata"]["llama.rope.scaling.original_context_length"] == 8192
+    assert cli_main(["runtimes", "--method", "yarn", "--scale", "4", "--original-context", "8192", "--rope-theta",
+                     "100000", "--rotary-dim", "64", "--model-type", "llama", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(settings.to_dict()))
+    with pytest.raises(SystemExit, match="--rope-theta, --rotary-dim"):
+        cli_main(["runtimes", "--method", "yarn", "--scale", "4", "--original-context", "8192"])
+    with pytest.raises(ValueError, match="below 1, which would shrink"):
+        describe_patch("yarn", 0.5, original_max_length=8192, rope_theta=1e5, rotary_dim=64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model cards
+# ----------------------------------------------------------------------------------------------
+
+RESULTS = [
+    {"kind": "perplexity", "mode": "buckets", "method": "none", "scale": 1.0, "model": "m", "document": "pg84",
+     "context_length": 128, "stride": None, "buckets": [[0, 32, 13.061], [32, 128, 91.384]], "ppl": 40.123},
+    {"kind": "perplexity", "mode": "buckets", "method": "yarn", "scale": 4.0, "model": "m", "document": "pg84",
+     "context_length": 128, "stride": None, "buckets": [[0, 32, 13.467], [32, 128, 9.012]], "ppl": 11.234},
+    {"kind": "perplexity", "method": "yarn", "scale": 4.0, "context_length": 64, "ppl": 9.876},  # optional fields missing
+    {"kind": "retrieval", "task": "passkey", "method": "yarn", "scale": 4.0, "model": "m", "length": 128,
+     "depth": 0.5, "trials": 5, "correct": 4, "accuracy": 0.8},
+    {"kind": "retrieval", "task": "passkey", "method": "yarn", "scale": 4.0, "model": "m", "length": 128,
+     "depth": 0.9, "trials": 5, "correct": 3, "accuracy": 0.6},
+]
+TRAINING = {"base_model": "org/tiny-base", "method": "yarn", "scale": 4.0, "original_context": 32, "target_length": 128,
+            "pose": True, "steps": 321, "lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"],
+            "trainable_params": 4096}, "learning_rate": 2e-4, "tokens_seen": 987654, "final_loss": 2.71828,
+            "wall_time_s": 12.5, "data_files": ["pg84.txt"]}
+
+
+def test_model_card_from_results(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "results.jsonl").write_text("\n".join(json.dumps(r) for r in RESULTS) + "\n\n")
+    (eval_dir / "ppl_vs_length.png").write_bytes(b"\x89PNG")
+    (tmp_path / "training_summary.json").write_text(json.dumps(TRAINING))
+
+    assert cli_main(["card", "--model-dir", str(folder), "--eval-dir", str(eval_dir), "--training-summary",
+                     str(tmp_path / "training_summary.json"), "--repo-id", "me/tiny-yarn"]) == 0
+    text = (folder / "README.md").read_text()
+    assert (folder / "ppl_vs_length.png").read_bytes() == b"\x89PNG" and "](ppl_vs_length.png)" in text
+
+    card = ModelCard(text)
+    assert card.data.base_model == "org/tiny-base"
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert {"hf-rope-ext", "long-context", "rope-yarn"} <= set(card.data.tags)
+    perplexities = {r.metric_name: r.metric_value for r in card.data.eval_results if r.metric_type == "perplexity"}
+    assert perplexities == {"perplexity (buckets, 128 tokens)": 11.234, "perplexity (forward, 64 tokens)": 9.876}
+    accuracy = [r.metric_value for r in card.data.eval_results if r.metric_type == "accuracy"]
+    assert accuracy == [pytest.approx((4 + 3) / (5 + 5))]
+    for record in RESULTS[:3]:  # every perplexity in the file, as the card rounds it
+        assert f"{record['ppl']:.2f}" in text
+        for _, _, value in record.get("buckets", []):
+            assert f"{value:.2f}" in text
+    assert "| passkey | yarn | 4 | 128 | 0.5, 0.9 | 7/10 | 70% |" in text
+    for value in ("321", "987654", "2.7183", "q_proj, v_proj", "4096", "pg84.txt"):
+        assert value in text
+    assert "from_pretrained(\"me/tiny-yarn\")" in text and "--max-model-len 128" in text
+    assert "--rope-scaling yarn --rope-scale 4" in text
+
+
+def test_model_card_inputs_are_checked(tmp_path):
+    model = make_model("llama")
+    _patch(model, "dynamic-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    config = AutoConfig.from_pretrained(folder)
+    with pytest.raises(ValueError, match="base_model must be the base model's Hub repo id"):
+        render_model_card(config)
+    card, plots = render_model_card(config, base_model="org/tiny-base")
+    assert plots == [] and "No evaluation results were supplied" in str(card)
+    assert "KeyError: 'hf_rope_ext.dynamic-yarn (needs `pip install hf-rope-ext`" in str(card)
+    assert "Not fine-tuned" in str(card)
+    written = write_model_card(card, tmp_path / "out" / "README.md")
+    assert ModelCard.load(written).data.base_model == "org/tiny-base"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "results.jsonl").write_text(json.dumps(RESULTS[0]) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"results.jsonl:2 is not valid JSON"):
+        render_model_card(config, base_model="org/tiny-base", eval_dir=bad)
+    with pytest.raises(ValueError, match="no hf_rope_ext record"):
+        render_model_card(make_config("llama"), base_model="org/tiny-base")
