@@ -32,10 +32,16 @@ DEFAULT_METHOD = "dynamic-yarn"
 # of the length. With a KV cache each change costs one recomputation of the cached states.
 DEFAULT_STEPS_PER_DOUBLING = 4
 
+_UNSET: Any = object()  # "argument not given", where None is a meaningful value
+
 
 @dataclass(frozen=True)
 class PatchInfo:
-    """What :func:`get_patch_info` reports about a patched model."""
+    """What :func:`get_patch_info` reports about a patched model.
+
+    ``max_position_embeddings`` is the context the patch targets (original x scale), also for
+    length-dependent methods, whose config keeps the original value (see ``config_io``).
+    """
 
     method: str
     scale: float
@@ -191,7 +197,7 @@ def patch_model(
     *,
     max_length: int | None = None,
     original_max_length: int | None = None,
-    steps_per_doubling: int | None | str = "default",
+    steps_per_doubling: Any = _UNSET,
     **params: Any,
 ) -> nn.Module:
     """Extend the context of a loaded RoPE model in place; returns the same model.
@@ -242,11 +248,11 @@ def patch_model(
     resolved["factor"] = scale
     resolved["original_max_position_embeddings"] = original_length
     if rope_method.length_dependent:
-        if steps_per_doubling == "default":
+        if steps_per_doubling is _UNSET:
             steps_per_doubling = DEFAULT_STEPS_PER_DOUBLING
         elif steps_per_doubling is not None:
             steps_per_doubling = _check_length(steps_per_doubling, "steps_per_doubling")
-    elif steps_per_doubling != "default":
+    elif steps_per_doubling is not _UNSET:
         raise ValueError(f"steps_per_doubling only applies to length-dependent methods; {method!r} is static.")
     else:
         steps_per_doubling = None
@@ -336,7 +342,7 @@ def patched(model: nn.Module, scale: float | None = None, method: str = DEFAULT_
                 previous.method,
                 original_max_length=previous.original_max_position_embeddings,
                 steps_per_doubling=(
-                    previous.steps_per_doubling if get_method(previous.method).length_dependent else "default"
+                    previous.steps_per_doubling if get_method(previous.method).length_dependent else _UNSET
                 ),
                 **previous.params,
             )

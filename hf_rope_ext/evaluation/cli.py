@@ -222,6 +222,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         trials=args.trials, needle_count=args.needle_count, max_new_tokens=args.max_new_tokens, seed=args.seed,
         chunk_size=args.chunk_size, reuse_identical=not args.no_reuse,
     )  # fmt: skip
+    plan.validate(None)
     if plan.required_document_tokens() and not (args.text_file or args.dataset):
         raise EvaluationError("Perplexity needs documents: pass --text-file FILE (or --dataset NAME).")
     native_context = _native_context(args.model)

@@ -13,9 +13,7 @@ is the tokenizer's BOS token when it has one):
 * **Sliding-window perplexity** (``mode="sliding"``; Press et al. 2022, arXiv 2108.12409; used
   with stride ``S = 256`` by Position Interpolation, Chen et al. 2023, arXiv 2306.15595). Over the
   first ``N`` tokens of the document, windows of ``L`` tokens start every ``S`` tokens (the last
-  one is moved back to end at ``N``, so every window holds ``L`` tokens). Each window scores only the tokens no earlier window scored, so every token
-  is scored exactly once, and every token after the first window sees at least ``L - S`` tokens of
-  context. When the document starts with BOS, every window starts with BOS followed by ``L - 1``
+XX When the document starts with BOS, every window starts with BOS followed by ``L - 1``
   document tokens (as the YaRN and PI evaluation code does). ``ppl = exp(sum(l_t) / count)``,
   weighted by tokens (the YaRN script averages per-window means instead; the two differ only in
   the weight of the first window).

@@ -67,13 +67,16 @@ def range_edges(native_context: int, context_length: int) -> list[int]:
 
 
 def pooled_ranges(buckets: Sequence[Sequence[float]], edges: Sequence[int]) -> list[list[float]]:
-    """Buckets ``[start, end, ppl]`` pooled into ``[edge_i, edge_i+1)`` (buckets lying inside)."""
-    pooled = []
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        inside = [(ppl, bucket_token_count(start, end)) for start, end, ppl in buckets if start >= lo and end <= hi]
-        if inside:
-            pooled.append([lo, hi, pool_log_ppl(inside)])
-    return pooled
+    """Buckets ``[start, end, ppl]`` pooled by the range ``[edge_i, edge_i+1)`` holding their start;
+    each pooled range is reported as ``[first bucket start, last bucket end, ppl]``."""
+    groups: dict[int, list[Sequence[float]]] = {}
+    for bucket in buckets:
+        index = max(i for i in range(len(edges) - 1) if edges[i] <= bucket[0])
+        groups.setdefault(index, []).append(bucket)
+    return [
+        [min(b[0] for b in group), max(b[1] for b in group), pool_log_ppl((b[2], bucket_token_count(b[0], b[1])) for b in group)]
+        for _, group in sorted(groups.items())
+    ]
 
 
 def _state(record: Mapping[str, Any]) -> tuple[str, float | None]:

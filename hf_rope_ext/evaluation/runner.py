@@ -219,8 +219,12 @@ class EvalPlan:
                 pairs += [(method, float(scale)) for scale in self.scales]
         return pairs
 
-    def validate(self, native_context: int) -> None:
-        """Raise :class:`EvaluationError` naming the problem and the fix."""
+    def validate(self, native_context: int | None) -> None:
+        """Raise :class:`EvaluationError` naming the problem and the fix.
+
+        ``native_context`` None skips the one check that needs the model (lengths against its
+        native context), so a plan can be checked before the model is loaded.
+        """
         if not self.methods:
             raise EvaluationError("No methods given; use e.g. --methods none,yarn,dynamic-yarn.")
         known = list(list_methods())
@@ -276,7 +280,7 @@ class EvalPlan:
                     "the windows must fit in the scored span."
                 )
         lengths = self.ppl_lengths + self.retrieval_lengths
-        if scaled and lengths and max(lengths) <= native_context:
+        if scaled and lengths and native_context is not None and max(lengths) <= native_context:
             raise EvaluationError(
                 f"Every requested length ({', '.join(map(str, sorted(set(lengths))))}) is within the model's own "
                 f"context of {native_context} tokens, so the scaling methods are not compared where they matter. "

@@ -1,0 +1,540 @@
+"""hf_rope_ext.evaluation: chunked loss, bucket and sliding-window perplexity, retrieval prompts,
+the resumable runner, reports and the command line. Tiny random models, plus one real-model test."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ORIGINAL_CONTEXT, make_model, random_ids
+from torch import nn
+
+from hf_rope_ext import DEFAULT_METHOD, get_patch_info, patch_model, unpatch_model
+from hf_rope_ext.cli import main as cli_main
+from hf_rope_ext.evaluation import (
+    EvalPlan,
+    EvaluationError,
+    bucket_perplexity,
+    needle_prompt,
+    passkey_prompt,
+    read_results,
+    retrieval_accuracy,
+    run_evaluation,
+    sliding_window_perplexity,
+    token_losses,
+    write_reports,
+)
+from hf_rope_ext.evaluation import retrieval
+from hf_rope_ext.evaluation.report import summarize
+
+SHARED_BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pg84.txt"
+
+
+def reference_losses(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """l_t = -log p(x_t | x_<t) for t = 1..n-1 from the model's own full logits, in float64."""
+    with torch.no_grad():
+        logits = model(input_ids=ids[None]).logits[0].double()
+    return -torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
+
+
+class CharTokenizer:
+    """One token per printable ASCII character (ids 3..97), BOS 1, EOS 2: fits the tiny models' vocab of 128."""
+
+    bos_token_id = 1
+    eos_token_id = 2
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False, return_attention_mask=False):
+        return {"input_ids": [ord(char) - 29 for char in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i + 29) for i in ids if i >= 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked loss and perplexity
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 1000])
+def test_chunked_loss_equals_full_logits_loss(family, chunk_size):
+    model = make_model(family)
+    ids = random_ids(45)[0]
+    expected = reference_losses(model, ids)
+    losses = token_losses(model, ids, chunk_size=chunk_size)
+    assert losses.shape == (44,)
+    torch.testing.assert_close(losses.double(), expected, atol=1e-5, rtol=1e-5)
+    # Scoring from a later position gives the tail of the same losses.
+    tail = token_losses(model, ids, first_target=30, chunk_size=chunk_size)
+    torch.testing.assert_close(tail.double(), expected[29:], atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_loss_on_patched_length_dependent_model():
+    # Beyond the native context a length-dependent method must see the whole length in one forward.
+    model = make_model("llama")
+    patch_model(model, 4, "dynamic-yarn")
+    ids = random_ids(3 * ORIGINAL_CONTEXT)[0]
+    torch.testing.assert_close(token_losses(model, ids, chunk_size=5).double(), reference_losses(model, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_bucket_perplexity_matches_direct_computation():
+    model = make_model("qwen2")
+    documents = [random_ids(60, seed=1)[0], random_ids(70, seed=2)[0]]
+    length, boundaries = 48, [0, 10, 32, 48]
+    result = bucket_perplexity(model, documents, length, boundaries=boundaries, chunk_size=8)
+    losses = [reference_losses(model, document[:length]) for document in documents]  # losses[i] is l_{i+1}
+    for index, (start, end) in enumerate(zip(boundaries[:-1], boundaries[1:])):
+        pooled = torch.cat([doc_losses[max(start, 1) - 1 : end - 1] for doc_losses in losses])
+        assert result.token_counts[index] == pooled.numel()
+        assert math.isclose(result.bucket_ppls()[index][2], math.exp(pooled.mean().item()), rel_tol=1e-5)
+    assert math.isclose(result.ppl, math.exp(torch.cat(losses).mean().item()), rel_tol=1e-5)
+    assert result.tokens == 2 * (length - 1)
+
+
+def naive_sliding_window(model, ids: torch.Tensor, window: int, stride: int, bos: int | None):
+    """Direct reading of the definition: windows every `stride` tokens, the last one ending at N,
+    each scoring the tokens not scored before, with full logits."""
+    body, prefix = (ids[1:], ids[:1]) if bos is not None and ids[0] == bos else (ids, ids[:0])
+    room = window - len(prefix)
+    total, count, scored_until = 0.0, 0, 0
+    begin = 0
+    while scored_until < len(body):
+        end = min(begin + room, len(body))
+        start = end - room
+        tokens = torch.cat((prefix, body[start:end]))
+        losses = reference_losses(model, tokens)  # losses[j] scores tokens[j + 1]
+        for j in range(len(tokens) - 1):
+            position_in_body = start + j + 1 - len(prefix)
+            if position_in_body >= scored_until:
+                total += losses[j].item()
+                count += 1
+        scored_until = end
+        begin += stride
+    return total, count
+
+
+@pytest.mark.parametrize("bos", [None, 1])
+@pytest.mark.parametrize("window, stride, tokens", [(16, 4, 50), (16, 16, 48), (20, 7, 61), (24, 5, 24)])
+def test_sliding_window_matches_naive_loop(bos, window, stride, tokens):
+    model = make_model("llama")
+    ids = random_ids(tokens, seed=3)[0]
+    if bos is not None:
+        ids[0] = bos
+    result = sliding_window_perplexity(model, [ids], window, stride=stride, bos_token_id=bos, progress=False)
+    total, count = naive_sliding_window(model, ids, window, stride, bos)
+    assert result.tokens == count
+    if bos is not None or stride < window:
+        assert count == tokens - 1  # every token but the first scored exactly once
+    else:  # disjoint windows without BOS: no window can predict its own first token
+        assert count == tokens - tokens // window
+    assert math.isclose(result.nll_sum, total, rel_tol=1e-5)
+    assert math.isclose(result.ppl, math.exp(total / count), rel_tol=1e-5)
+
+
+def test_sliding_window_with_one_window_equals_bucket_perplexity():
+    model = make_model("mistral")
+    ids = random_ids(40)[0]
+    sliding = sliding_window_perplexity(model, [ids], 40, stride=8, progress=False)
+    buckets = bucket_perplexity(model, [ids], 40)
+    assert sliding.windows == 1 and math.isclose(sliding.ppl, buckets.ppl, rel_tol=1e-6)
+
+
+def test_perplexity_rejects_short_documents_and_bad_settings():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="fewer than the requested context length of 64"):
+        bucket_perplexity(model, [random_ids(40)[0]], 64)
+    with pytest.raises(ValueError, match="stride must be between 1 and the window length"):
+        sliding_window_perplexity(model, [random_ids(40)[0]], 16, stride=17, progress=False)
+    with pytest.raises(ValueError, match="fewer than the requested context length"):
+        sliding_window_perplexity(model, [random_ids(40)[0]], 16, max_tokens=50, progress=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Retrieval prompts
+# ----------------------------------------------------------------------------------------------
+
+
+def _smollm2_tokenizer():
+    try:
+        from transformers import AutoTokenizer
+
+        from hf_rope_ext.loading import smollm2_checkpoint
+
+        return AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    except (FileNotFoundError, ImportError) as error:
+        pytest.skip(f"SmolLM2 tokenizer unavailable: {error}")
+
+
+@pytest.fixture(params=["chars", "smollm2"], scope="module")
+def tokenizer(request):
+    return CharTokenizer() if request.param == "chars" else _smollm2_tokenizer()
+
+
+def _encode(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _find(sequence, part, start=0):
+    for index in range(start, len(sequence) - len(part) + 1):
+        if sequence[index : index + len(part)] == part:
+            return index
+    return -1
+
+
+@pytest.mark.parametrize("length", [200, 1000, 4099])
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.9, 1.0])
+def test_passkey_prompt_has_the_length_and_the_key_at_the_depth(tokenizer, length, depth):
+    prompt = passkey_prompt(tokenizer, length, depth, 48213)
+    ids = prompt.input_ids
+    assert len(ids) == length
+    head = [tokenizer.bos_token_id] + _encode(tokenizer, retrieval.INTRO)
+    needle = _encode(tokenizer, " The pass key is 48213. Remember it. 48213 is the pass key.")
+    question = _encode(tokenizer, " What is the pass key? The pass key is")
+    assert ids[: len(head)] == head and ids[-len(question) :] == question
+    start = _find(ids, needle)
+    assert start == prompt.target_start and _find(ids, needle, start + 1) == -1
+    # Depth = filler tokens before the needle / all filler tokens, to within one filler sentence.
+    filler_total = length - len(head) - len(needle) - len(question)
+    filler_before = start - len(head)
+    longest_sentence = max(len(_encode(tokenizer, " " + s)) for s in retrieval.FILLER_SENTENCES)
+    assert abs(filler_before / filler_total - depth) <= longest_sentence / filler_total
+    # The haystack is the usual filler text.
+    text = tokenizer.decode(ids[len(head) : start])
+    if filler_before > 50:
+        assert "The grass is green. The sky is blue. The sun is yellow." in text
+
+
+def test_needle_prompt_places_target_and_distractors(tokenizer):
+    keys = [("Alice", 11111), ("Bruno", 22222), ("Chen", 33333)]
+    prompt = needle_prompt(tokenizer, 3000, 0.3, keys, [0.8, 0.05])
+    ids = prompt.input_ids
+    assert len(ids) == 3000 and prompt.answer == "11111"
+    starts = {}
+    for name, key in keys:
+        line = _encode(tokenizer, f" The pass key for {name} is {key}. Remember it.")
+        starts[name] = _find(ids, line)
+        assert starts[name] >= 0 and _find(ids, line, starts[name] + 1) == -1
+    assert starts["Chen"] < starts["Alice"] < starts["Bruno"]  # depths 0.05 < 0.3 < 0.8
+    assert prompt.target_start == starts["Alice"]
+    assert ids[-len(_encode(tokenizer, " What is the pass key for Alice? The pass key for Alice is")) :] == _encode(
+        tokenizer, " What is the pass key for Alice? The pass key for Alice is"
+    )
+    assert abs(prompt.target_depth - 0.3) < 0.01
+
+
+def test_prompt_too_short_and_bad_depth_are_rejected():
+    tokenizer = CharTokenizer()
+    with pytest.raises(ValueError, match="too short"):
+        passkey_prompt(tokenizer, 100, 0.5, 12345)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        passkey_prompt(tokenizer, 1000, 1.5, 12345)
+
+
+def test_grade_reads_the_first_number():
+    assert retrieval.grade(" 12345. Remember", "12345")
+    assert not retrieval.grade(" 54321 or 12345", "12345")
+    assert not retrieval.grade(" The grass is green.", "12345")
+    assert not retrieval.grade(" 123456", "12345")
+
+
+class KeyReader(nn.Module):
+    """A stand-in LM whose greedy answer is the digits after the first 'is ' of the needle line for
+    the asked name (or of the passkey line): a model that retrieves perfectly."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.embed = nn.Embedding(128, 4)
+        self.prompts = []
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def generate(self, ids, attention_mask=None, generation_config=None):
+        text = self.tokenizer.decode(ids[0].tolist())
+        self.prompts.append(len(ids[0]))
+        asked = text.rsplit("What is the pass key", 1)[1]
+        name = asked.split("for ", 1)[1].split("?")[0] if asked.startswith(" for") else None
+        marker = f"The pass key for {name} is " if name else "The pass key is "
+        key = text.split(marker, 1)[1][:5]
+        answer = torch.tensor([_encode(self.tokenizer, f" {key}.")])
+        return torch.cat((ids, answer[:, : generation_config.max_new_tokens]), dim=1)
+
+
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+def test_retrieval_accuracy_counts_correct_answers_with_seeded_keys(task):
+    tokenizer = CharTokenizer()
+    reader = KeyReader(tokenizer)
+    first = retrieval_accuracy(reader, tokenizer, task, 1200, 0.5, trials=4, seed=7, max_new_tokens=8, progress=False)
+    assert (first.trials, first.correct) == (4, 4)
+    assert reader.prompts == [1192] * 4  # prompt + answer budget = the requested length
+    assert len(set(first.answers)) == 4 and all(len(key) == 5 for key in first.answers)
+    again = retrieval_accuracy(reader, tokenizer, task, 1200, 0.5, trials=4, seed=7, progress=False)
+    other = retrieval_accuracy(reader, tokenizer, task, 1200, 0.5, trials=4, seed=8, progress=False)
+    assert again.answers == first.answers and other.answers != first.answers
+
+
+# ----------------------------------------------------------------------------------------------
+# Runner: resumption, reuse, bad input
+# ----------------------------------------------------------------------------------------------
+
+
+class CallCounter:
+    def __init__(self, model, fail_after: int | None = None):
+        self.calls = 0
+        self.fail_after = fail_after
+        model.get_decoder().register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise KeyboardInterrupt
+
+
+def _plan(**overrides):
+    settings = dict(
+        methods=["none", "yarn", "dynamic-yarn"], scales=[2.0, 4.0], ppl_lengths=[24, 64], ppl_modes=["buckets"],
+        bucket_size=8, retrieval_tasks=[], chunk_size=16,
+    )
+    settings.update(overrides)
+    return EvalPlan(**settings)
+
+
+def test_rerun_skips_finished_cases(tmp_path):
+    model = make_model("llama")
+    documents = {"doc": random_ids(80)[0]}
+    counter = CallCounter(model)
+    records = run_evaluation(model, CharTokenizer(), _plan(), tmp_path, documents=documents, progress=False)
+    # none, yarn x2, yarn x4, dynamic-yarn x2, dynamic-yarn x4 at two lengths
+    assert len(records) == 10 and len(read_results(tmp_path)) == 10
+    first_calls = counter.calls
+    assert first_calls > 0
+    again = run_evaluation(model, CharTokenizer(), _plan(), tmp_path, documents=documents, progress=False)
+    assert counter.calls == first_calls  # nothing recomputed
+    assert len(read_results(tmp_path)) == 10 and [r["ppl"] for r in again] == [r["ppl"] for r in records]
+    assert get_patch_info(model) is None
+
+
+def test_interrupted_run_keeps_finished_cases_and_resumes(tmp_path):
+    documents = {"doc": random_ids(80)[0]}
+    plan = _plan(reuse_identical=False)
+    model = make_model("llama")
+    counter = CallCounter(model, fail_after=3)  # the first forward also checks the LM head: 2 calls per case
+    with pytest.raises(KeyboardInterrupt):
+        run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False)
+    assert get_patch_info(model) is None  # restored even though the run broke off
+    saved = read_results(tmp_path)
+    assert 1 <= len(saved) < 10
+    assert (tmp_path / "results.md").is_file()  # reports are written for what is done
+    counter.fail_after = None
+    counter.calls = 0
+    records = run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False)
+    assert len(records) == 10 and counter.calls == 10 - len(saved)  # one forward per remaining case
+
+    # Same numbers as an uninterrupted run in a fresh folder.
+    fresh = run_evaluation(make_model("llama"), CharTokenizer(), plan, tmp_path / "fresh", documents=documents, progress=False)
+    key = lambda r: (r["method"], r["scale"], r["context_length"])  # noqa: E731
+    assert {key(r): r["ppl"] for r in records} == pytest.approx({key(r): r["ppl"] for r in fresh}, rel=1e-9)
+
+
+def test_truncated_last_line_is_dropped_and_recomputed(tmp_path):
+    model = make_model("llama")
+    documents = {"doc": random_ids(80)[0]}
+    plan = _plan(methods=["none"], scales=[], ppl_lengths=[24, 64])
+    run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False)
+    results = tmp_path / "results.jsonl"
+    lines = results.read_text().splitlines()
+    results.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])  # a write cut short
+    counter = CallCounter(model)
+    records = run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False)
+    assert counter.calls == 1 and len(records) == 2
+    assert all(json.loads(line) for line in results.read_text().splitlines())
+
+
+def test_identical_cases_are_reused_and_equal_a_fresh_computation(tmp_path):
+    documents = {"doc": random_ids(80)[0]}
+    model = make_model("llama")
+    counter = CallCounter(model)
+    records = run_evaluation(model, CharTokenizer(), _plan(), tmp_path / "reuse", documents=documents, progress=False)
+    reused = {(r["method"], r["scale"], r["context_length"]): r["reused_from"] for r in records}
+    # Inside the native context (24 <= 32) dynamic-yarn is the original model; beyond it its
+    # frequencies follow the length only, so scales 2 and 4 coincide.
+    assert reused[("dynamic-yarn", 2.0, 24)] == {"method": "none", "scale": None}
+    assert reused[("dynamic-yarn", 4.0, 24)] == {"method": "none", "scale": None}
+    assert reused[("dynamic-yarn", 4.0, 64)] == {"method": "dynamic-yarn", "scale": 2.0}
+    assert reused[("yarn", 4.0, 64)] is None and reused[("dynamic-yarn", 2.0, 64)] is None
+    assert counter.calls == 2 + 2 + 4 + 1  # head check; none x2 lengths, yarn x4, dynamic-yarn x2 at 64
+
+    fresh = run_evaluation(make_model("llama"), CharTokenizer(), _plan(reuse_identical=False), tmp_path / "fresh",
+                           documents=documents, progress=False)  # fmt: skip
+    key = lambda r: (r["method"], r["scale"], r["context_length"])  # noqa: E731
+    assert {key(r): r["ppl"] for r in records} == {key(r): r["ppl"] for r in fresh}
+
+
+def test_runner_retrieval_cases_record_the_schema(tmp_path):
+    tokenizer = CharTokenizer()
+    model = make_model("llama")
+    plan = EvalPlan(methods=["none", "linear"], scales=[2.0], retrieval_tasks=["passkey", "needle"],
+                    retrieval_lengths=[400], depths=[0.2, 0.8], trials=2, needle_count=3, max_new_tokens=4)  # fmt: skip
+    records = run_evaluation(model, tokenizer, plan, tmp_path, native_context=256, progress=False)
+    assert len(records) == 2 * 2 * 2
+    for record in records:
+        assert record["kind"] == "retrieval" and record["trials"] == 2 and record["length"] == 400
+        assert record["accuracy"] == record["correct"] / 2 and len(record["answers"]) == len(record["outputs"]) == 2
+        assert record["needle_count"] == (3 if record["task"] == "needle" else None)
+    # The same keys for both model states.
+    by_state = {}
+    for record in records:
+        by_state.setdefault((record["task"], record["depth"]), []).append(record["answers"])
+    assert all(answers[0] == answers[1] for answers in by_state.values())
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"methods": ["none", "yarnn"]}, "Unknown method.*'yarnn'.*Known: none"),
+        ({"scales": [0.5]}, "Scales must be numbers > 1"),
+        ({"scales": []}, "need at least one scale"),
+        ({"ppl_lengths": [16, 32]}, "within the model's own context of 32 tokens"),
+        ({"ppl_modes": ["buckets", "windows"]}, "Unknown perplexity mode"),
+        ({"retrieval_tasks": ["passkey"], "retrieval_lengths": []}, "need --retrieval-lengths"),
+        ({"ppl_lengths": [], "retrieval_tasks": []}, "Nothing to evaluate"),
+        ({"depths": [1.5], "retrieval_tasks": ["passkey"], "retrieval_lengths": [512]}, "between 0 and 1"),
+    ],
+)
+def test_bad_plans_get_clear_errors(overrides, message):
+    with pytest.raises(EvaluationError, match=message):
+        _plan(**overrides).validate(ORIGINAL_CONTEXT)
+
+
+def test_short_document_is_rejected_before_any_work(tmp_path):
+    model = make_model("llama")
+    counter = CallCounter(model)
+    with pytest.raises(EvaluationError, match=r"shorter than the 64 tokens requested: doc \(50 tokens\)"):
+        run_evaluation(model, CharTokenizer(), _plan(), tmp_path, documents={"doc": random_ids(50)[0]}, progress=False)
+    assert counter.calls == 0 and not (tmp_path / "results.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Reports
+# ----------------------------------------------------------------------------------------------
+
+
+def _record(method, scale, document, length, buckets, **extra):
+    tokens = sum(end - max(start, 1) for start, end, _ in buckets)
+    nll = sum(math.log(ppl) * (end - max(start, 1)) for start, end, ppl in buckets) / tokens
+    return {"kind": "perplexity", "mode": "buckets", "method": method, "scale": scale, "model": "m", "dtype": "fp32",
+            "document": document, "context_length": length, "stride": None, "eval_tokens": None, "bucket_size": 4,
+            "buckets": buckets, "ppl": math.exp(nll), "nll": nll, "tokens": tokens, "native_context": 8,
+            "rope_fingerprint": "x", "seconds": 1.0, "reused_from": None, **extra}  # fmt: skip
+
+
+def test_reports_pool_documents_and_write_every_file(tmp_path):
+    records = [
+        _record("none", None, "a", 16, [[0, 4, 10.0], [4, 8, 8.0], [8, 12, 90.0], [12, 16, 120.0]]),
+        _record("none", None, "b", 16, [[0, 4, 12.0], [4, 8, 6.0], [8, 12, 70.0], [12, 16, 100.0]]),
+        _record("yarn", 2.0, "a", 16, [[0, 4, 11.0], [4, 8, 8.5], [8, 12, 9.0], [12, 16, 9.5]]),
+        _record("yarn", 2.0, "b", 16, [[0, 4, 13.0], [4, 8, 6.5], [8, 12, 7.0], [12, 16, 7.5]]),
+        {"kind": "retrieval", "task": "passkey", "method": "none", "scale": None, "model": "m", "dtype": "fp32",
+         "length": 16, "depth": 0.1, "trials": 2, "seed": 0, "needle_count": None, "max_new_tokens": 8,
+         "correct": 1, "accuracy": 0.5, "answers": ["1", "2"], "outputs": ["1", "3"], "reused_from": None},
+        {"kind": "retrieval", "task": "passkey", "method": "none", "scale": None, "model": "m", "dtype": "fp32",
+         "length": 16, "depth": 0.9, "trials": 2, "seed": 0, "needle_count": None, "max_new_tokens": 8,
+         "correct": 0, "accuracy": 0.0, "answers": ["1", "2"], "outputs": ["4", "3"], "reused_from": None},
+    ]  # fmt: skip
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    written = write_reports(tmp_path)
+    names = {path.name for path in written}
+    assert {"summary.json", "results.csv", "results.md", "perplexity_by_position.png", "perplexity_vs_length.png",
+            "retrieval_passkey.png"} <= names  # fmt: skip
+    for name in ("perplexity_by_position.png", "perplexity_vs_length.png", "retrieval_passkey.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    none = next(row for row in summary["perplexity"] if row["method"] == "none")
+    # Pooled by tokens: bucket [0, 4) scores 3 tokens per document, the others 4.
+    logs = [(10, 3), (8, 4), (90, 4), (120, 4), (12, 3), (6, 4), (70, 4), (100, 4)]
+    expected = math.exp(sum(math.log(p) * n for p, n in logs) / sum(n for _, n in logs))
+    assert none["ppl"] == pytest.approx(expected, rel=1e-9) and none["tokens"] == 30
+    beyond = math.exp((4 * (math.log(90) + math.log(120) + math.log(70) + math.log(100))) / 16)
+    assert none["beyond_native_ppl"] == pytest.approx(beyond, rel=1e-9)
+    passkey = summary["retrieval"][0]
+    assert (passkey["trials"], passkey["correct"], passkey["by_depth"]) == (4, 1, {"0.1": 0.5, "0.9": 0.0})
+
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert len(rows) == 6 and rows[0]["method"] == "none" and float(rows[2]["ppl"]) == pytest.approx(records[2]["ppl"])
+    markdown = (tmp_path / "results.md").read_text()
+    assert f"| none | {expected:.2f} |" in markdown
+    assert "| yarn x2 |" in markdown and "| none | 25% (1/4) |" in markdown
+    assert f"{beyond:.2f}" in markdown
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+
+def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
+    code = cli_main(["eval", "--text-file", str(tmp_path / "missing.txt"), "--ppl-lengths", "16k",
+                     "--output-dir", str(tmp_path)])  # fmt: skip
+    assert code == 2
+    assert "Text file not found" in capsys.readouterr().err
+    book = tmp_path / "book.txt"
+    book.write_text("word " * 100)
+    code = cli_main(["eval", "--text-file", str(book), "--methods", "none,yarm", "--ppl-lengths", "16k",
+                     "--output-dir", str(tmp_path)])  # fmt: skip
+    assert code == 2 and "Unknown method(s) 'yarm'" in capsys.readouterr().err
+    code = cli_main(["eval", "--text-file", str(book), "--attn-implementation", "flash_attention_2",
+                     "--ppl-lengths", "16k", "--output-dir", str(tmp_path)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and ("flash-attn" in err or "CUDA" in err)
+    code = cli_main(["demo", "--output-dir", str(tmp_path)])
+    assert code == 2 and "--text-file" in capsys.readouterr().err
+    code = cli_main(["eval", "--report-only", "--output-dir", str(tmp_path / "empty")])
+    assert code == 2 and "No results.jsonl" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# The real model
+# ----------------------------------------------------------------------------------------------
+
+
+def test_real_model_loss_beyond_native_context_unpatched_vs_patched():
+    """SmolLM2 (native context 8192), 9216 tokens of a novel, one forward per model state:
+    the unpatched model's loss beyond 8192 is far above the patched model's."""
+    if not SHARED_BOOK.is_file():
+        pytest.skip(f"{SHARED_BOOK} not found")
+    from hf_rope_ext.data import read_text, tokenize
+    from hf_rope_ext.loading import load_model
+
+    try:
+        model, tokenizer = load_model("smollm2", device="cpu")
+    except (FileNotFoundError, ImportError) as error:
+        pytest.skip(f"SmolLM2 unavailable: {error}")
+    native = model.config.max_position_embeddings
+    assert native == 8192
+    ids = tokenize(tokenizer, read_text(SHARED_BOOK))[: native + 1024]
+    started = time.perf_counter()
+
+    def ppl_inside_and_beyond():
+        losses = token_losses(model, ids, first_target=native // 2).double()  # l_4096 .. l_9215
+        inside, beyond = losses[: native // 2], losses[native // 2 :]
+        return math.exp(inside.mean().item()), math.exp(beyond.mean().item())
+
+    none_inside, none_beyond = ppl_inside_and_beyond()
+    patch_model(model, 2, DEFAULT_METHOD)
+    try:
+        patched_inside, patched_beyond = ppl_inside_and_beyond()
+    finally:
+        unpatch_model(model)
+    print(f"\nppl 4k-8k / 8k-9k: unpatched {none_inside:.2f} / {none_beyond:.2f}, {DEFAULT_METHOD} x2 "
+          f"{patched_inside:.2f} / {patched_beyond:.2f} ({time.perf_counter() - started:.0f} s)")  # fmt: skip
+    assert none_beyond > 4 * patched_beyond  # the unpatched model breaks down past its context
+    assert patched_beyond < 1.5 * none_inside  # the patched one stays near its in-context perplexity
+    assert none_inside < 30  # the text is ordinary prose for this model
