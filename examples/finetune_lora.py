@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     if summary:  # the main process
         keys = ("method", "scale", "target_length", "pose", "steps", "tokens_seen", "tokens_per_second", "final_loss", "wall_time_s")
         print(json.dumps({key: summary[key] for key in keys}, indent=2))
-        print(f"Adapter: {config.output_dir}/adapter  Merged model: {config.output_dir}/merged")
+        print(f"Adapter: {config.output_dir}/adapter")
+        if summary["merged_dir"]:
+            print(f"Merged model: {config.output_dir}/merged")
     return 0
 
 

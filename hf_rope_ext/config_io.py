@@ -48,7 +48,6 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +55,8 @@ from typing import Any
 import torch
 
 from . import compat
-from .methods import _BUILTIN, COMMON_PARAMS, RopeMethod, get_method, list_methods, resolve_params
+from .methods import COMMON_PARAMS, RopeMethod, get_method, is_builtin, list_methods, resolve_params
+from .rotary import effective_length
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +80,11 @@ def _bare_rope_type(method: RopeMethod) -> str:
 def custom_rope_type(method: RopeMethod) -> str:
     """The ``rope_type`` string for a method transformers does not have."""
     bare = _bare_rope_type(method)
-    return bare + INSTALL_HINT if method.name in _BUILTIN else bare
+    return bare + INSTALL_HINT if is_builtin(method.name) else bare
 
 
 def method_from_rope_type(rope_type: str) -> RopeMethod | None:
-    """Inverse of :func:`custom_rope_type`; None for transformers' own types.
-
-    Also accepts the bare ``hf_rope_ext.<method>`` form of built-in methods, which earlier
-    versions wrote.
-    """
+    """Inverse of :func:`custom_rope_type`; None for transformers' own types."""
     if not rope_type.startswith(CUSTOM_ROPE_TYPE_PREFIX):
         return None
     bare = rope_type[: -len(INSTALL_HINT)] if rope_type.endswith(INSTALL_HINT) else rope_type
@@ -354,15 +350,6 @@ def method_of_record(record: Mapping[str, Any]) -> RopeMethod:
 # ----------------------------------------------------------------------------------------------
 
 
-def _rounded_length(method: RopeMethod, original: int, steps: int | None, seq_len: int | None) -> int | None:
-    from .rotary import ExtendedRotaryEmbedding
-
-    # The patch's own rounding (L0 * 2 ** (k / steps)), so a model loaded with from_pretrained
-    # computes the frequencies patch_model would use for the same length.
-    state = types.SimpleNamespace(method=method, original_max_seq_len=original, steps_per_doubling=steps)
-    return ExtendedRotaryEmbedding.effective_length(state, seq_len)
-
-
 def _transformers_init_function(rope_type: str):
     """A function with transformers' rope-init signature for one of our rope types."""
 
@@ -384,8 +371,9 @@ def _transformers_init_function(rope_type: str):
         if seq_len is None and record is not None:
             verify_record(config)  # model construction: refuse a contradictory config.json
         steps = record.get("steps_per_doubling") if record else None
-        length = _rounded_length(
-            method, params["original_max_position_embeddings"], steps, int(seq_len) if seq_len is not None else None
+        # The patch's own rounding, so from_pretrained computes the frequencies patch_model uses.
+        length = effective_length(
+            seq_len, params["original_max_position_embeddings"], steps, method.length_dependent
         )
         inv_freq, attention_factor = method.compute(rotary_dim, rope["rope_theta"], params, length)
         return torch.as_tensor(inv_freq).to(device=device, dtype=torch.float32), attention_factor
@@ -412,11 +400,9 @@ def register_with_transformers(method: RopeMethod) -> None:
     if method.transformers_rope_type is not None:
         return
     _register_rope_type(custom_rope_type(method))
-    if method.name in _BUILTIN:  # configs written before the install hint was added
-        _register_rope_type(_bare_rope_type(method))
 
 
 def unregister_from_transformers(method: RopeMethod) -> None:
-    for rope_type in {custom_rope_type(method), _bare_rope_type(method)}:
-        if getattr(compat.ROPE_INIT_FUNCTIONS.get(rope_type), "_hf_rope_ext", False):
-            del compat.ROPE_INIT_FUNCTIONS[rope_type]
+    rope_type = custom_rope_type(method)
+    if getattr(compat.ROPE_INIT_FUNCTIONS.get(rope_type), "_hf_rope_ext", False):
+        del compat.ROPE_INIT_FUNCTIONS[rope_type]

@@ -81,10 +81,15 @@ def _recorded_patch(model: nn.Module) -> RecordedPatch:
 def _legacy_fields(rope: dict[str, Any]) -> dict[str, Any]:
     """``rope_scaling`` / ``rope_theta`` as transformers 4.x (and runtimes built on it) read them."""
     scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
-    return {
+    fields = {
         "rope_theta": rope["rope_theta"],
         "rope_scaling": None if scaling.get("rope_type") == "default" else scaling,
     }
+    if scaling.get("rope_type") == "longrope":
+        # transformers 4.x takes longrope's original context from this top-level key (the Phi-3
+        # layout) and otherwise from max_position_embeddings; transformers 5 gives it priority.
+        fields["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
+    return fields
 
 
 def save_patched(
@@ -110,8 +115,9 @@ def save_patched(
             (see :mod:`hf_rope_ext.model_card`).
         card_assets: files the card references (plots), copied next to it.
         legacy_fields: also write ``rope_scaling`` and top-level ``rope_theta`` (the
-            transformers 4.x spelling, still read by runtimes built on it). transformers 5
-            reads both spellings to the same ``rope_parameters``.
+            transformers 4.x spelling, still read by runtimes built on it; checked to load to
+            the same logits with transformers 4.57). transformers 5 reads both spellings to the
+            same ``rope_parameters``, giving ``rope_scaling`` priority: edit both or neither.
         **save_kwargs: passed to ``model.save_pretrained`` (e.g. ``max_shard_size``).
 
     Everything is written to a temporary folder next to the target and checked (the saved
@@ -125,7 +131,7 @@ def save_patched(
         )
     recorded = _recorded_patch(model)
     if recorded.method.name == "dynamic" and recorded.steps_per_doubling is not None:
-        logger.info(
+        logger.warning(
             "The patch changes frequencies at %d steps per doubling of the length; transformers' own `dynamic` type, "
             "which plain from_pretrained builds, follows the length token by token. Use hf_rope_ext.hub.load_patched "
             "to get this patch back exactly.",
@@ -265,11 +271,15 @@ def restore_patch(model: nn.Module) -> nn.Module:
         )
     parent_name, _, attribute = module_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    saved = compat.snapshot_config(config, (config_io.RECORD_ATTRIBUTE,))
+    saved = compat.snapshot_config(config, (config_io.RECORD_ATTRIBUTE, "original_max_position_embeddings"))
     try:
         rope, max_positions = recorded.original_rope_config()
         compat.write_rope_config(config, rope, max_positions)
         delattr(config, config_io.RECORD_ATTRIBUTE)  # the patch writes a new one; unpatch removes it
+        if recorded.method.name == "longrope" and getattr(config, "original_max_position_embeddings", None) == (
+            recorded.original_max_position_embeddings
+        ):
+            delattr(config, "original_max_position_embeddings")  # written by save_patched for transformers 4.x
         try:
             fresh = type(loaded)(config=config)
         except TypeError as error:
@@ -279,13 +289,16 @@ def restore_patch(model: nn.Module) -> nn.Module:
             ) from error
         fresh.to(loaded.inv_freq.device)
         setattr(parent, attribute, fresh)
-        steps = recorded.steps_per_doubling if recorded.method.length_dependent else "default"
+        if recorded.method.length_dependent:
+            options = {"steps_per_doubling": recorded.steps_per_doubling}
+        else:
+            options = {}
         patch_model(
             model,
             recorded.scale,
             recorded.method.name,
             original_max_length=recorded.original_max_position_embeddings,
-            steps_per_doubling=steps,
+            **options,
             **recorded.params,
         )
     except Exception:
@@ -326,6 +339,8 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
 # ----------------------------------------------------------------------------------------------
 # vLLM and llama.cpp
 # ----------------------------------------------------------------------------------------------
+
+_DEFAULT_STEPS = object()  # describe_patch: the patch's default steps_per_doubling
 
 # transformers model_type -> llama.cpp GGUF architecture name (convert_hf_to_gguf.py converts
 # Mistral checkpoints with its Llama class).
@@ -407,11 +422,15 @@ def describe_patch(
     original_max_length: int,
     rope_theta: float,
     rotary_dim: int,
-    steps_per_doubling: int | None | str = "default",
+    steps_per_doubling: Any = _DEFAULT_STEPS,
     partial_rotary_factor: float | None = None,
     **params: Any,
 ) -> RecordedPatch:
-    """A patch described by its numbers alone (no model), for :func:`runtime_settings`."""
+    """A patch described by its numbers alone (no model), for :func:`runtime_settings`.
+
+    Arguments mean what they mean for :func:`hf_rope_ext.patch_model`; ``rope_theta`` and
+    ``rotary_dim`` are the base model's RoPE base and rotated dimensions per head.
+    """
     from .patching import DEFAULT_STEPS_PER_DOUBLING
 
     rope_method = get_method(method)
@@ -424,16 +443,20 @@ def describe_patch(
         raise ValueError(f"rope_theta must be a number > 0, got {rope_theta!r}.")
     resolved = resolve_params(rope_method, rotary_dim, params)
     if not rope_method.length_dependent:
-        if steps_per_doubling != "default":
+        if steps_per_doubling is not _DEFAULT_STEPS:
             raise ValueError(f"steps_per_doubling only applies to length-dependent methods; {method!r} is static.")
         steps = None
+    elif steps_per_doubling is _DEFAULT_STEPS:
+        steps = DEFAULT_STEPS_PER_DOUBLING
     else:
-        steps = DEFAULT_STEPS_PER_DOUBLING if steps_per_doubling == "default" else steps_per_doubling
+        steps = None if steps_per_doubling is None else _check_length(steps_per_doubling, "steps_per_doubling")
     kept = {"partial_rotary_factor": partial_rotary_factor} if partial_rotary_factor is not None else {}
     return RecordedPatch(rope_method, scale, original, float(rope_theta), rotary_dim, resolved, steps, kept)
 
 
-def _patch_of(source: Any, method: str | None, scale: float | None, patch_kwargs: dict[str, Any]) -> tuple[RecordedPatch, str | None]:
+def _patch_of(
+    source: Any, method: str | None, scale: float | None, patch_kwargs: dict[str, Any]
+) -> tuple[RecordedPatch, str | None]:
     if isinstance(source, RecordedPatch):
         if method is not None or scale is not None or patch_kwargs:
             raise ValueError("Give method/scale/parameters or a described patch, not both.")
@@ -441,7 +464,8 @@ def _patch_of(source: Any, method: str | None, scale: float | None, patch_kwargs
     config = getattr(source, "config", source) if isinstance(source, nn.Module) else source
     if not hasattr(config, "rope_parameters"):
         raise TypeError(
-            f"runtime_settings expects a model, a transformers config or describe_patch(...), got {type(source).__name__}."
+            "runtime_settings expects a model, a transformers config or describe_patch(...), got "
+            f"{type(source).__name__}."
         )
     model_type = getattr(config, "model_type", None)
     if method is None:
@@ -478,7 +502,12 @@ def _patch_of(source: Any, method: str | None, scale: float | None, patch_kwargs
 
 
 def runtime_settings(
-    source: Any, method: str | None = None, scale: float | None = None, *, model_type: str | None = None, **patch_kwargs: Any
+    source: Any,
+    method: str | None = None,
+    scale: float | None = None,
+    *,
+    model_type: str | None = None,
+    **patch_kwargs: Any,
 ) -> RuntimeSettings:
     """The vLLM and llama.cpp settings equivalent to a patch.
 
@@ -535,9 +564,10 @@ def _static_stand_in(patch: RecordedPatch) -> tuple[str, str | None]:
         )
     if name == "dynamic-linear":
         return "linear", (
-            f"No runtime has length-dependent linear interpolation. Closest: linear at scale {s:g}, equal to this patch "
-            f"for inputs of {n} tokens; the patch is the original model up to "
-            f"{patch.original_max_position_embeddings} tokens, static linear compresses every input."
+            "No runtime has length-dependent linear interpolation. "
+            f"Closest: linear at scale {s:g}, equal to this patch for inputs of {n} tokens; the patch is the "
+            f"original model up to {patch.original_max_position_embeddings} tokens, static linear compresses every "
+            "input."
         )
     return name, None
 
@@ -585,7 +615,9 @@ def _vllm_command(patch: RecordedPatch) -> RuntimeCommand:
             )
         if not params.get("truncate", True):
             status = "approximate"
-            notes.append("truncate=false is honoured only by vLLM releases whose YaRN takes `truncate`; older ones round.")
+            notes.append(
+                "truncate=false is honoured only by vLLM releases whose YaRN takes `truncate`; older ones round."
+            )
     if target == "longrope":
         _, attention = patch.method.compute(patch.rotary_dim, patch.original_rope_theta, params, None)
         # vLLM derives the attention factor from max_position_embeddings / original instead of `factor`.
@@ -684,7 +716,9 @@ def _llama_cpp_command(patch: RecordedPatch, model_type: str | None) -> RuntimeC
             metadata[f"{arch}.rope.scaling.attn_factor"] = attn_factor
         if not params.get("truncate", True):
             status = "approximate"
-            notes.append("llama.cpp always rounds the YaRN ramp ends (ggml_rope_yarn_corr_dims); truncate=false differs.")
+            notes.append(
+                "llama.cpp always rounds the YaRN ramp ends (ggml_rope_yarn_corr_dims); truncate=false differs."
+            )
         flags = {
             "--rope-scaling": "yarn",
             "--rope-scale": patch.scale,
@@ -802,7 +836,8 @@ def _runtimes_command(args: argparse.Namespace) -> int:
         if args.original_context is not None:
             params["original_max_length"] = args.original_context
         settings = runtime_settings(config, args.method, args.scale, model_type=args.model_type, **params)
-        model = args.model_dir
+        # Runtimes cannot load a checkpoint with one of this package's own rope types.
+        model = args.model_dir if args.method or get_method(settings.method).transformers_rope_type else "BASE_MODEL"
     else:
         missing = [flag for flag, value in (("--method", args.method), ("--scale", args.scale),
                    ("--original-context", args.original_context), ("--rope-theta", args.rope_theta),

@@ -403,6 +403,11 @@ def list_methods() -> dict[str, str]:
     return {**builtin, **user}
 
 
+def is_builtin(name: str) -> bool:
+    """True for the methods that ship with the package (they cannot be replaced)."""
+    return name in _BUILTIN
+
+
 def get_method(name: str) -> RopeMethod:
     """Look up a method; an unknown name raises ``ValueError`` listing the valid ones."""
     if not isinstance(name, str):

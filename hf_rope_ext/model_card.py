@@ -8,7 +8,7 @@ how well it works (the evaluation tool's ``results.jsonl`` and plots) and how it
     hf-rope-ext card --model-dir out/smollm2-yarn --eval-dir out/eval \\
         --training-summary out/train/training_summary.json --output out/smollm2-yarn/README.md
 
-The layout lives in the Jinja template ``model_cards/patched_model.md``; the metadata the Hub
+The layout lives in the Jinja template ``hf_rope_ext/templates/model_card.md``; the metadata the Hub
 reads (``base_model``, ``library_name``, ``tags``, ``pipeline_tag``, ``model-index``) comes
 from ``ModelCardData``.
 """
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["load_eval_results", "load_training_summary", "render_model_card", "write_model_card"]
 
-DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "patched_model.md"
+DEFAULT_TEMPLATE = Path(__file__).resolve().parent / "templates" / "model_card.md"
 RESULTS_FILE = "results.jsonl"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MISSING = "—"
@@ -55,7 +55,9 @@ def load_eval_results(eval_dir: str | os.PathLike) -> tuple[list[dict[str, Any]]
     folder = Path(eval_dir)
     path = folder / RESULTS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"No {RESULTS_FILE} in {folder}; point --eval-dir at the evaluation tool's output folder.")
+        raise FileNotFoundError(
+            f"No {RESULTS_FILE} in {folder}; point --eval-dir at the evaluation tool's output folder."
+        )
     records = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -174,11 +176,14 @@ def _perplexity_tables(records: list[dict[str, Any]]) -> tuple[list[dict], list[
 
 
 def _retrieval_table(records: list[dict[str, Any]]) -> list[dict]:
-    groups: dict[tuple, dict[str, Any]] = defaultdict(lambda: {"correct": 0, "trials": 0, "depths": set(), "accuracy": []})
+    groups: dict[tuple, dict[str, Any]] = defaultdict(
+        lambda: {"correct": 0, "trials": 0, "depths": set(), "accuracy": []}
+    )
     for record in records:
         if record.get("kind") != "retrieval":
             continue
-        key = (record.get("task", _MISSING), str(record.get("method", _MISSING)), record.get("scale"), record.get("length"))
+        method = str(record.get("method", _MISSING))
+        key = (record.get("task", _MISSING), method, record.get("scale"), record.get("length"))
         group = groups[key]
         if isinstance(record.get("correct"), int) and isinstance(record.get("trials"), int):
             group["correct"] += record["correct"]
@@ -245,37 +250,70 @@ def _eval_results(records: list[dict[str, Any]], patch: RecordedPatch):
 _TRAINING_LABELS = {
     "base_model": "Base model",
     "method": "Method",
+    "method_params": "Method parameters",
     "scale": "Scale",
     "original_context": "Original context (tokens)",
     "target_length": "Target length (tokens)",
     "pose": "PoSE (positional skip-wise training)",
+    "window": "Training window (tokens)",
     "steps": "Optimizer steps",
+    "examples_per_step": "Examples per step",
+    "per_device_batch_size": "Batch size per device",
+    "gradient_accumulation_steps": "Gradient accumulation steps",
+    "num_processes": "Processes",
     "learning_rate": "Learning rate",
+    "lr_scheduler": "Learning-rate schedule",
+    "warmup_steps": "Warm-up steps",
+    "weight_decay": "Weight decay",
+    "max_grad_norm": "Gradient clipping (max norm)",
+    "precision": "Precision",
+    "load_in_4bit": "4-bit base weights",
+    "gradient_checkpointing": "Gradient checkpointing",
     "tokens_seen": "Tokens seen",
     "tokens_per_second": "Tokens per second",
     "final_loss": "Final training loss",
+    "train_time_s": "Training time (s)",
     "wall_time_s": "Wall time (s)",
+    "data_files": "Data files",
+    "dataset": "Dataset",
+    "data_windows": "Training windows available",
+    "data_tokens": "Training tokens available",
+    "seed": "Seed",
+    "device": "Device",
+    "versions": "Library versions",
 }
 _LORA_LABELS = {
     "rank": "LoRA rank",
     "alpha": "LoRA alpha",
+    "dropout": "LoRA dropout",
     "target_modules": "LoRA target modules",
+    "modules_to_save": "Fully trained modules",
     "trainable_params": "Trainable parameters",
 }
+# Bookkeeping of the run, not a property of the model: left out of the card.
+_TRAINING_SKIPPED = {"base_model_path", "rope_patch", "losses", "adapter_dir", "merged_dir", "resumed_from_step"}
+_LONGEST_LIST = 12
 
 
 def _training_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    def shown(value: Any) -> bool:
+        if value is None or value == {} or value == []:
+            return False
+        return not isinstance(value, (list, tuple, Mapping)) or len(value) <= _LONGEST_LIST
+
     rows = []
     for key, label in _TRAINING_LABELS.items():
-        if key in summary:
+        if key in summary and shown(summary[key]):
             value = summary[key]
-            rows.append((label, _value(value) if key not in ("final_loss",) else _number(value, 4)))
+            rows.append((label, _number(value, 4) if key == "final_loss" else _value(value)))
+    losses = summary.get("losses")
+    if isinstance(losses, list) and len(losses) > 1 and all(isinstance(x, (int, float)) for x in losses):
+        rows.append(("Loss, first → last step", f"{losses[0]:.4f} → {losses[-1]:.4f}"))
     lora = summary.get("lora")
     if isinstance(lora, Mapping):
-        rows += [(label, _value(lora[key])) for key, label in _LORA_LABELS.items() if key in lora]
-        rows += [(f"LoRA {key}", _value(value)) for key, value in lora.items() if key not in _LORA_LABELS]
-    for key, value in summary.items():  # data files and anything newer runs record
-        if key not in _TRAINING_LABELS and key != "lora":
+        rows += [(label, _value(lora[key])) for key, label in _LORA_LABELS.items() if shown(lora.get(key))]
+    for key, value in summary.items():  # fields newer runs record
+        if key not in _TRAINING_LABELS and key not in _TRAINING_SKIPPED and key != "lora" and shown(value):
             rows.append((key.replace("_", " ").capitalize(), _value(value)))
     return rows
 
@@ -319,7 +357,7 @@ def render_model_card(
         training_summary: the fine-tuning run's ``training_summary.json`` (path or dict).
         repo_id: where the checkpoint will live, used in the loading instructions.
         license: the license identifier for the metadata (usually the base model's).
-        template_path: a Jinja template; default ``model_cards/patched_model.md``.
+        template_path: a Jinja template; default ``hf_rope_ext/templates/model_card.md``.
 
     The card references the plots by file name; :func:`write_model_card` (or
     :func:`hf_rope_ext.hub.save_patched` with ``card_assets=plots``) puts them next to it.
@@ -344,7 +382,7 @@ def render_model_card(
     template = Path(template_path) if template_path is not None else DEFAULT_TEMPLATE
     if not template.is_file():
         raise FileNotFoundError(
-            f"Model card template {template} not found; it ships in the hf-rope-ext repository's model_cards/ folder. "
+            f"Model card template {template} not found; it ships inside the hf_rope_ext package. "
             "Pass template_path= (--template)."
         )
 
@@ -397,7 +435,9 @@ def render_model_card(
         plain_transformers_note=plain_note,
         vllm=settings.vllm,
         llama_cpp=settings.llama_cpp,
-        llama_cpp_metadata=[(key, _value(value)) for key, value in settings.llama_cpp.settings.get("gguf_metadata", {}).items()],
+        llama_cpp_metadata=[
+            (key, _value(value)) for key, value in settings.llama_cpp.settings.get("gguf_metadata", {}).items()
+        ],
         perplexity_rows=perplexity_rows,
         bucket_header=bucket_header,
         bucket_rows=bucket_rows,
@@ -455,7 +495,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--base-model", help="Hub id of the base model (default: from the training summary)")
     parser.add_argument("--repo-id", help="Hub repo id the checkpoint is pushed to (used in the instructions)")
     parser.add_argument("--license", help="license identifier for the card metadata")
-    parser.add_argument("--template", help="Jinja template (default: model_cards/patched_model.md)")
+    parser.add_argument("--template", help="Jinja template (default: the one shipped in hf_rope_ext/templates)")
     parser.add_argument("--output", help="where to write the card (default: MODEL_DIR/README.md)")
     parser.set_defaults(handler=_card_command)
 

@@ -79,6 +79,28 @@ class _Frequencies:
 
 
 
+def effective_length(
+    seq_len: int | None, original_length: int, steps_per_doubling: int | None, length_dependent: bool = True
+) -> int | None:
+    """The length whose frequencies a sequence of ``seq_len`` tokens uses.
+
+    None inside the original context (and for static methods): the frequencies do not depend
+    on the length there. Beyond it, the smallest ``ceil(L0 * 2 ** (k / n))`` that is at least
+    ``seq_len`` (n = ``steps_per_doubling``), or ``seq_len`` itself when n is None.
+    """
+    if not length_dependent or seq_len is None or int(seq_len) <= original_length:
+        return None
+    seq_len = int(seq_len)
+    if steps_per_doubling is None:
+        return seq_len
+    k = max(1, math.ceil(steps_per_doubling * math.log2(seq_len / original_length) - 1e-9))
+    length = math.ceil(original_length * 2 ** (k / steps_per_doubling))
+    while length < seq_len:  # guard against rounding in log2
+        k += 1
+        length = math.ceil(original_length * 2 ** (k / steps_per_doubling))
+    return length
+
+
 def angles_for(position_ids: torch.Tensor, inv_freq: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     """Angles from the pair returned by ``_Frequencies.tensors``."""
     if exact.dtype == torch.float64:
@@ -137,25 +159,8 @@ class ExtendedRotaryEmbedding(nn.Module):
         return freqs.inv_freq_f64.clone(), freqs.attention_factor
 
     def effective_length(self, seq_len: int | None) -> int | None:
-        """The length whose frequencies a sequence of ``seq_len`` tokens uses.
-
-        None inside the original context (and for static methods): the frequencies do not
-        depend on the length there. Beyond it, the smallest ``ceil(L0 * 2 ** (k / n))`` that
-        is at least ``seq_len``, or ``seq_len`` itself when ``steps_per_doubling`` is None.
-        """
-        if not self.method.length_dependent or seq_len is None or seq_len <= self.original_max_seq_len:
-            return None
-        seq_len = int(seq_len)
-        steps = self.steps_per_doubling
-        if steps is None:
-            return seq_len
-        original = self.original_max_seq_len
-        k = max(1, math.ceil(steps * math.log2(seq_len / original) - 1e-9))
-        length = math.ceil(original * 2 ** (k / steps))
-        while length < seq_len:  # guard against rounding in log2
-            k += 1
-            length = math.ceil(original * 2 ** (k / steps))
-        return length
+        """The length whose frequencies a sequence of ``seq_len`` tokens uses (see :func:`effective_length`)."""
+        return effective_length(seq_len, self.original_max_seq_len, self.steps_per_doubling, self.method.length_dependent)
 
     def _frequencies_for_length(self, seq_len: int | None) -> _Frequencies:
         key = self.effective_length(seq_len)

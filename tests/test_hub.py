@@ -140,6 +140,14 @@ def test_fresh_interpreter_without_and_with_package(tmp_path):
         tensors = tmp_path / f"{name}.safetensors"
         save_file({"ids": case_ids, "expected": _logits(model, case_ids)}, tensors)
         manifest["native"][name] = {"path": str(save_patched(model, tmp_path / name)), "tensors": str(tensors)}
+    for method in ("yarn", "ntk"):  # transformers' own save_pretrained writes a loadable config too
+        name = f"qwen3-{method}-save_pretrained"
+        model = make_model("qwen3")
+        _patch(model, method)
+        tensors = tmp_path / f"{name}.safetensors"
+        save_file({"ids": ids, "expected": _logits(model, ids)}, tensors)
+        model.save_pretrained(tmp_path / name)
+        manifest["native"][name] = {"path": str(tmp_path / name), "tensors": str(tensors)}
     for method in CUSTOM:
         model = make_model("qwen2")
         _patch(model, method)
@@ -147,7 +155,10 @@ def test_fresh_interpreter_without_and_with_package(tmp_path):
 
     cache = tmp_path / "hub_cache"
     _hub_cache_snapshot(cache, "hf-rope-ext-test/tiny-llama-yarn", Path(manifest["native"]["llama-yarn"]["path"]))
-    manifest["hub_native"] = {"repo_id": "hf-rope-ext-test/tiny-llama-yarn", "tensors": manifest["native"]["llama-yarn"]["tensors"]}
+    manifest["hub_native"] = {
+        "repo_id": "hf-rope-ext-test/tiny-llama-yarn",
+        "tensors": manifest["native"]["llama-yarn"]["tensors"],
+    }
     base = make_model("mistral")
     model = make_model("mistral")
     _patch(model, "dynamic-yarn")
@@ -174,13 +185,14 @@ def test_fresh_interpreter_without_and_with_package(tmp_path):
     report = json.loads(result.stdout.split("REPORT", 1)[1])
 
     assert not report["imported_without_package"]
-    assert len(report["native"]) == len(cases)
+    assert len(report["native"]) == len(cases) + 2
     for name, outcome in report["native"].items():
         assert outcome["error"] < 2e-5, (name, outcome)
         assert not outcome["rope_type"].startswith("hf_rope_ext"), name
     for method, message in report["custom_errors"].items():
         assert message is not None, f"{method} loaded without hf_rope_ext"
-        assert message.startswith("KeyError") and "pip install hf-rope-ext" in message and "import hf_rope_ext" in message
+        assert message.startswith("KeyError")
+        assert "pip install hf-rope-ext" in message and "import hf_rope_ext" in message
     assert report["hub_native_error"] < 2e-5
     assert report["hub_custom_error"] < 2e-5
     assert report["hub_custom_unpatched_equal"]
@@ -208,10 +220,9 @@ def test_round_trip_restores_the_patch_and_the_original(tmp_path, family, method
 
     unpatch_model(loaded)
     assert torch.equal(_logits(loaded, ids), base_logits)
-    config = loaded.config.to_dict()
-    for key in ("rope_parameters", "max_position_embeddings"):
-        assert config[key] == base_config[key]
-    assert "hf_rope_ext" not in config
+    metadata = ("architectures", "dtype", "_name_or_path", "transformers_version")
+    config = {key: value for key, value in loaded.config.to_dict().items() if key not in metadata}
+    assert config == {key: value for key, value in base_config.items() if key not in metadata}
 
 
 @pytest.mark.parametrize("method", CUSTOM)
@@ -295,7 +306,11 @@ def _edit_config(folder: Path, edit) -> None:
         ("dynamic-yarn", lambda c: c["hf_rope_ext"].update(scale=2.0), r"'factor' is 4.0, expected 2.0"),
         ("yarn", lambda c: c["hf_rope_ext"].pop("params"), r"lacks \['params'\]"),
         ("yarn", lambda c: c["hf_rope_ext"].update(scale="4"), r"scale='4'; it must be a number > 1"),
-        ("yarn", lambda c: c["hf_rope_ext"]["params"].update(beta_fats=3), r"does not accept.*did you mean 'beta_fast'"),
+        (
+            "yarn",
+            lambda c: c["hf_rope_ext"]["params"].update(beta_fats=3),
+            r"does not accept.*did you mean 'beta_fast'",
+        ),
         ("yarn", lambda c: c["hf_rope_ext"].update(method="yarnn"), r"method 'yarnn', which is not registered"),
         ("dynamic", lambda c: c["hf_rope_ext"].update(steps_per_doubling=0), r"steps_per_doubling=0"),
     ],
@@ -319,6 +334,22 @@ def test_custom_type_contradiction_stops_plain_from_pretrained(tmp_path):
     _edit_config(folder, lambda c: (c["rope_parameters"].pop("factor"), c.pop("hf_rope_ext")))
     with pytest.raises(ValueError, match=r"lacks \['factor'\]"):
         AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_failed_restore_leaves_the_model_as_loaded(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    # A consistent record of a patch patch_model refuses (it would leave the frequencies unchanged).
+    no_op = {"beta_fast": 1e9, "beta_slow": 1e8, "attention_factor": 1.0}
+    _edit_config(folder, lambda c: (c["rope_parameters"].update(no_op), c["hf_rope_ext"]["params"].update(no_op)))
+    loaded = load_patched(folder, restore=False, attn_implementation="eager").eval()
+    ids = random_ids(LENGTH)
+    config, logits, rotary = loaded.config.to_dict(), _logits(loaded, ids), loaded.model.rotary_emb
+    with pytest.raises(ValueError, match="leaves the frequencies unchanged"):
+        restore_patch(loaded)
+    assert loaded.config.to_dict() == config and loaded.model.rotary_emb is rotary
+    assert torch.equal(_logits(loaded, ids), logits)
 
 
 def test_restore_and_save_refuse_models_without_a_patch(tmp_path):
@@ -375,6 +406,10 @@ def test_saved_files(tmp_path):
     assert json.loads((target / "tokenizer_config.json").read_text())["model_max_length"] == 4 * L0
     assert tokenizer.model_max_length == L0
 
+    _patch(model, "longrope")  # transformers 4.x reads longrope's original context only at the top level
+    saved = json.loads((save_patched(model, tmp_path / "longrope") / "config.json").read_text())
+    assert saved["original_max_position_embeddings"] == saved["rope_scaling"]["original_max_position_embeddings"] == L0
+
 
 def test_failed_save_leaves_the_target_alone(tmp_path):
     model = make_model("llama")
@@ -409,7 +444,8 @@ def test_push_to_hub_uploads_a_checked_folder(tmp_path):
     plot = tmp_path / "ppl_vs_length.png"
     plot.write_bytes(b"png")
     api = RecordingApi()
-    assert push_patched_to_hub(model, "me/tiny", card="# card\n", card_assets=[plot], private=True, api=api) == "commit-info"
+    commit = push_patched_to_hub(model, "me/tiny", card="# card\n", card_assets=[plot], private=True, api=api)
+    assert commit == "commit-info"
     (create, repo, create_kwargs), (upload, repo_again, upload_kwargs) = api.calls
     assert (create, repo, repo_again) == ("create_repo", "me/tiny", "me/tiny")
     assert create_kwargs["exist_ok"] and create_kwargs["private"]
@@ -553,7 +589,8 @@ RESULTS = [
      "context_length": 128, "stride": None, "buckets": [[0, 32, 13.061], [32, 128, 91.384]], "ppl": 40.123},
     {"kind": "perplexity", "mode": "buckets", "method": "yarn", "scale": 4.0, "model": "m", "document": "pg84",
      "context_length": 128, "stride": None, "buckets": [[0, 32, 13.467], [32, 128, 9.012]], "ppl": 11.234},
-    {"kind": "perplexity", "method": "yarn", "scale": 4.0, "context_length": 64, "ppl": 9.876},  # optional fields missing
+    # optional fields (mode, document, stride, model) missing
+    {"kind": "perplexity", "method": "yarn", "scale": 4.0, "context_length": 64, "ppl": 9.876},
     {"kind": "retrieval", "task": "passkey", "method": "yarn", "scale": 4.0, "model": "m", "length": 128,
      "depth": 0.5, "trials": 5, "correct": 4, "accuracy": 0.8},
     {"kind": "retrieval", "task": "passkey", "method": "yarn", "scale": 4.0, "model": "m", "length": 128,

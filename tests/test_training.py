@@ -481,16 +481,17 @@ def test_finished_run_is_never_overwritten(tiny_model, varied_text, tmp_path):
 
 
 def test_two_process_ddp_matches_one_process(tiny_model, varied_text, tmp_path):
-    """``accelerate launch`` with 2 CPU processes (gloo DDP), batch 1 each, against one process
-    with batch 2: the same examples per step and the same mean loss, so the same weights."""
+    """``accelerate launch`` with the shipped DDP config: 2 CPU processes (gloo), batch 1 each,
+    against one process with batch 2: the same examples per step and the same mean loss, so the
+    same weights."""
     if shutil.which("accelerate") is None:
         pytest.skip("the accelerate command is not on PATH")
     arguments = ["--model", str(tiny_model), "--text_files", str(varied_text), "--method", "yarn", "--scale", "4",
                  "--pose", "--max_steps", "3", "--learning_rate", "1e-2", "--lora_rank", "4", "--lora_alpha", "8",
                  "--attn_implementation", "eager", "--save_steps", "2"]
-    command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
-               str(REPO / "examples" / "finetune_lora.py"), "--output_dir", str(tmp_path / "ddp"), *arguments]
+    command = ["accelerate", "launch", "--config_file", str(REPO / "examples" / "accelerate_configs" / "ddp.yaml"),
+               "--main_process_port", "29533", str(REPO / "examples" / "finetune_lora.py"),
+               "--output_dir", str(tmp_path / "ddp"), *arguments]
     environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]

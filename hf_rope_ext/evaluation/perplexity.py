@@ -13,7 +13,10 @@ is the tokenizer's BOS token when it has one):
 * **Sliding-window perplexity** (``mode="sliding"``; Press et al. 2022, arXiv 2108.12409; used
   with stride ``S = 256`` by Position Interpolation, Chen et al. 2023, arXiv 2306.15595). Over the
   first ``N`` tokens of the document, windows of ``L`` tokens start every ``S`` tokens (the last
-XX When the document starts with BOS, every window starts with BOS followed by ``L - 1``
+  one is moved back to end at ``N``, so every window holds ``L`` tokens). Each window scores only
+  the tokens no earlier window scored, so with ``S < L`` (or BOS, below) every token but the
+  first is scored exactly once, with at least ``L - S`` tokens of context after the first window.
+  When the document starts with BOS, every window starts with BOS followed by ``L - 1``
   document tokens (as the YaRN and PI evaluation code does). ``ppl = exp(sum(l_t) / count)``,
   weighted by tokens (the YaRN script averages per-window means instead; the two differ only in
   the weight of the first window).
@@ -174,6 +177,7 @@ def token_losses(
     *,
     first_target: int = 1,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token losses ``l_t`` for ``t = first_target .. len(input_ids) - 1`` of one sequence.
 
@@ -188,6 +192,8 @@ def token_losses(
         first_target: the first position whose token is scored (>= 1); earlier positions are
             context only and skip the LM head.
         chunk_size: positions per LM-head call; memory is ``chunk_size * vocab`` floats.
+        position_ids: optional 1-D position of each token (default ``0 .. n - 1``); with gaps,
+            a short input probes long distances, as in PoSE (Zhu et al. 2024, arXiv 2309.10400).
     """
     ids = torch.as_tensor(input_ids)
     if ids.dim() == 2:
@@ -202,7 +208,16 @@ def token_losses(
     decoder, head = _decoder_and_head(model)
     device = _input_device(model)
     _verify_head(model, decoder, head, device)
-    hidden = decoder(input_ids=ids[None].to(device), use_cache=False).last_hidden_state[0]
+    extra = {}
+    if position_ids is not None:
+        position_ids = torch.as_tensor(position_ids).reshape(-1)
+        if position_ids.shape != ids.shape:
+            raise ValueError(f"position_ids has {position_ids.numel()} entries for {length} tokens.")
+        extra["position_ids"] = position_ids[None].to(device)
+        # Without an attention mask transformers reads jumps in position_ids as boundaries of packed
+        # sequences and masks attention across them; a full mask keeps one sequence.
+        extra["attention_mask"] = torch.ones(1, length, dtype=torch.long, device=device)
+    hidden = decoder(input_ids=ids[None].to(device), use_cache=False, **extra).last_hidden_state[0]
     targets = ids.to(hidden.device)
     losses = []
     # Position p's logits predict token p + 1.
@@ -317,6 +332,11 @@ def sliding_window_perplexity(
         has_bos = bos_token_id is not None and int(document[0]) == bos_token_id
         body = document[1:] if has_bos else document
         prefix = document[:1] if has_bos else document[:0]
+        if has_bos and stride > context_length - 1:
+            raise ValueError(
+                f"stride must be at most {context_length - 1} when every window starts with BOS (a window holds "
+                f"{context_length - 1} document tokens), got {stride}."
+            )
         spans = sliding_windows(len(body), context_length - len(prefix), stride)
         for begin, end, scored in tqdm(spans, desc=f"sliding windows (L={context_length})", leave=False, disable=not progress):
             window = torch.cat((prefix, body[begin:end]))

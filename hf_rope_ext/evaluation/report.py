@@ -250,6 +250,33 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def comparison_table(summary: Mapping[str, Any], *, task: str = "passkey") -> str:
+    """One row per method and scale: perplexity of the first L tokens (buckets mode) for every L,
+    perplexity of the positions beyond the native context for every L above it, and ``task``
+    retrieval accuracy for every length. Cells missing from the results stay empty."""
+    ppl_rows = [row for row in summary["perplexity"] if row["mode"] == "buckets"]
+    retrieval_rows = [row for row in summary["retrieval"] if row["task"] == task]
+    native = summary["native_context"] if isinstance(summary["native_context"], int) else None
+    ppl_lengths = sorted({row["context_length"] for row in ppl_rows})
+    beyond_lengths = [length for length in ppl_lengths if native and length > native]
+    retrieval_lengths = sorted({row["length"] for row in retrieval_rows})
+    ppl = {(_state(row), row["context_length"]): row for row in ppl_rows}
+    found = {(_state(row), row["length"]): row for row in retrieval_rows}
+    header = ["method", "scale"] + [f"ppl {_tokens_label(length)}" for length in ppl_lengths]
+    header += [f"ppl beyond {_tokens_label(native)} at {_tokens_label(length)}" for length in beyond_lengths]
+    header += [f"{task} {_tokens_label(length)}" for length in retrieval_lengths]
+    table = []
+    for state in _states_in_order(ppl_rows + retrieval_rows):
+        cells = [state[0], "" if state[1] is None else f"{state[1]:g}"]
+        cells += [_format_ppl(ppl[(state, length)]["ppl"]) if (state, length) in ppl else "" for length in ppl_lengths]
+        cells += [_format_ppl(ppl[(state, length)]["beyond_native_ppl"]) if (state, length) in ppl else ""
+                  for length in beyond_lengths]  # fmt: skip
+        cells += [f"{found[(state, length)]['correct']}/{found[(state, length)]['trials']}" if (state, length) in found
+                  else "" for length in retrieval_lengths]  # fmt: skip
+        table.append(cells)
+    return _table(header, table)
+
+
 def csv_report(records: Sequence[Mapping[str, Any]]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")

@@ -279,10 +279,6 @@ def _load_base(config: FinetuneConfig, path: str, device: torch.device, quantize
     return model, tokenizer
 
 
-def _patch(model, lengths: _Lengths, method: str, params: dict[str, Any]) -> None:
-    patch_model(model, lengths.scale, method, original_max_length=lengths.original, **params)
-
-
 def _rope_patch_record(model) -> dict[str, Any]:
     """The patch as :mod:`hf_rope_ext.config_io` records it in the config (JSON-ready)."""
     if get_patch_info(model) is None:
@@ -388,52 +384,119 @@ def _check_resume_state(state: dict[str, Any], run: dict[str, Any], data: dict[s
 # -- the run ----------------------------------------------------------------------------------------
 
 
-def finetune(config: FinetuneConfig) -> dict[str, Any]:
-    """Run the whole recipe (see the module docstring); returns the training summary.
+@dataclass
+class _Progress:
+    """What a run has done so far; carried over by a resume."""
 
-    Every input error is raised before the first training step.
-    """
+    step: int = 0
+    tokens_seen: int = 0
+    train_time_s: float = 0.0
+    losses: list[float] = field(default_factory=list)
+
+
+def _make_accelerator(config: FinetuneConfig):
+    """``(accelerator, bf16, sharded)``; refuses launches this recipe cannot run correctly."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, set_seed
-    from tqdm.auto import tqdm
-    from transformers import AutoConfig, get_scheduler
+    from accelerate.utils import DistributedType
 
-    from ..loading import resolve_model_path
-
-    started = time.perf_counter()
-    config.validate()
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     # Several processes on a machine without CUDA (torchrun, `accelerate launch --multi_gpu`):
-    # accelerate only forms a gloo process group when told to use the CPU.
-    # Mixed precision is this run's own autocast, not accelerate's process-wide setting, so that
-    # several runs in one process may differ; a launcher's --mixed_precision bf16 is honoured too.
+    # accelerate forms a gloo process group only when told to use the CPU. Mixed precision is
+    # this run's own autocast rather than accelerate's process-wide setting, so runs in one
+    # process may differ; a launcher's `--mixed_precision bf16` is honoured as well.
     accelerator = Accelerator(cpu=launched > 1 and not torch.cuda.is_available())
-    if accelerator.mixed_precision == "fp16":
-        raise ValueError("fp16 mixed precision is not supported (it needs loss scaling); launch with bf16 or use --bf16.")
-    bf16 = config.bf16 or accelerator.mixed_precision == "bf16"
     if accelerator.num_processes != launched:
         raise RuntimeError(
             f"{launched} processes were launched but accelerate sees {accelerator.num_processes}; they would each "
             "train alone and overwrite each other's outputs. Check the accelerate configuration."
         )
+    if accelerator.mixed_precision == "fp16":
+        raise ValueError("fp16 mixed precision is not supported (it needs loss scaling); launch with bf16 or use --bf16.")
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and config.gradient_accumulation_steps > 1:
+        raise ValueError(
+            "Under DeepSpeed, set gradient accumulation in the DeepSpeed config and pass --gradient_accumulation_steps 1."
+        )
     if sharded and (config.save_steps or config.resume):
         raise ValueError(
             f"Resumable checkpoints (--save_steps, --resume) are implemented for one process and DDP; under "
             f"{accelerator.distributed_type.value} the optimizer state is sharded. Drop --save_steps/--resume or use DDP."
         )
+    return accelerator, config.bf16 or accelerator.mixed_precision == "bf16", sharded
+
+
+def _build_model(config: FinetuneConfig, model_path: str, lengths: _Lengths, device: torch.device, bf16: bool):
+    """The patched base model wrapped with LoRA: ``(peft_model, lora_settings, rope_record)``."""
+    from accelerate.utils import set_seed
+
+    set_seed(config.seed)
+    model, _ = _load_base(config, model_path, device, config.load_in_4bit, bf16)
+    model.config.use_cache = False
+    patch_model(model, lengths.scale, config.method, original_max_length=lengths.original, **config.parsed_method_params())
+    rope_record = _rope_patch_record(model)
+    if config.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing)
+    if config.gradient_checkpointing:
+        # Non-reentrant checkpointing works with DDP and needs no input gradients for LoRA.
+        if hasattr(model, "activation_checkpointing_enable"):  # the name in recent transformers 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_seed(config.seed)  # the LoRA initialisation must not depend on what loading drew
+    lora = config.lora_settings()
+    return apply_lora(model, lora), lora, rope_record
+
+
+def _label_tokens(windows: PackedWindows, sample_indices: list[int]) -> int:
+    """Tokens the loss is taken over (transformers shifts labels left by one)."""
+    return sum(int((windows.example(index)["labels"][1:] != IGNORE_INDEX).sum()) for index in sample_indices)
+
+
+def _train_step(accelerator, model, windows: PackedWindows, step_indices: list[int], micro: int, bf16: bool) -> torch.Tensor:
+    """Forward and backward over this process's share of one step; returns its share of the loss.
+
+    The loss is the sum of the cross-entropy over every label token of the step (all processes,
+    all micro-batches) divided by their number, so the update does not depend on how the step
+    is split. DDP averages gradients over processes, hence the factor ``world``.
+    """
+    world, rank = accelerator.num_processes, accelerator.process_index
+    accumulation = len(step_indices) // (world * micro)
+    label_tokens = torch.tensor(_label_tokens(windows, step_indices), device=accelerator.device)
+    loss_share = torch.zeros((), device=accelerator.device)
+    for micro_step in range(accumulation):
+        offset = (micro_step * world + rank) * micro
+        batch = {key: value.to(accelerator.device) for key, value in windows.batch(step_indices[offset : offset + micro]).items()}
+        sync = contextlib.nullcontext() if micro_step == accumulation - 1 else accelerator.no_sync(model)
+        with sync, torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(**batch, num_items_in_batch=label_tokens).loss
+            accelerator.backward(loss * world)
+        loss_share += loss.detach()
+    return loss_share
+
+
+def finetune(config: FinetuneConfig) -> dict[str, Any]:
+    """Run the whole recipe (see the module docstring); returns the training summary
+    (an empty dict on processes other than the main one).
+
+    Every input error is raised before the model is loaded, except those that need the
+    model's config (lengths), which are raised before training.
+    """
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig, AutoTokenizer, get_scheduler
+
+    from ..loading import resolve_model_path
+
+    started = time.perf_counter()
+    config.validate()
+    accelerator, bf16, sharded = _make_accelerator(config)
+    main, world, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
     output_dir = Path(config.output_dir)
     resume_from = _check_output_dir(config, output_dir)
-    main = accelerator.is_main_process
-    world = accelerator.num_processes
-    rank = accelerator.process_index
 
     model_path = resolve_model_path(config.model)
     lengths = _resolve_lengths(config, AutoConfig.from_pretrained(model_path))
-    method_params = config.parsed_method_params()
-
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     documents, names = load_documents(config, tokenizer)
     windows = PackedWindows(
@@ -452,219 +515,201 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         logger.warning("One step uses %d examples but there are only %d windows: examples repeat within a step.", global_batch, len(windows))
     run_fingerprint = _run_fingerprint(config, lengths, global_batch)
 
-    # -- model ----------------------------------------------------------------------------------
-    set_seed(config.seed)
-    model, _ = _load_base(config, model_path, accelerator.device, config.load_in_4bit, bf16)
-    model.config.use_cache = False
-    _patch(model, lengths, config.method, method_params)
-    rope_record = _rope_patch_record(model)
-    if config.load_in_4bit:
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing)
-    if config.gradient_checkpointing:
-        # Non-reentrant checkpointing works with DDP and needs no input gradients for LoRA.
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    set_seed(config.seed)  # LoRA initialisation does not depend on what loading consumed
-    lora = config.lora_settings()
-    model = apply_lora(model, lora)
+    model, lora, rope_record = _build_model(config, model_path, lengths, accelerator.device, bf16)
     trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
     param_names = [name for name, _ in trainable]
     optimizer = torch.optim.AdamW([param for _, param in trainable], lr=config.learning_rate, weight_decay=config.weight_decay)
     scheduler = get_scheduler(SCHEDULERS[config.lr_scheduler], optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=config.max_steps)
 
-    # -- resume ----------------------------------------------------------------------------------
-    step, tokens_seen, train_time, losses = 0, 0, 0.0, []
-    resume_state = None
+    progress = _Progress()
     if resume_from is not None:
-        trained, resume_state = ckpt.load_checkpoint(resume_from, optimizer=optimizer, param_names=param_names, rank=rank)
-        _check_resume_state(resume_state, run_fingerprint, windows.fingerprint())
+        # Also restores this process's RNG states; nothing below draws from them before training.
+        trained, state = ckpt.load_checkpoint(resume_from, optimizer=optimizer, param_names=param_names, rank=rank)
+        _check_resume_state(state, run_fingerprint, windows.fingerprint())
         with torch.no_grad():
             for name, param in trainable:
                 param.copy_(trained[name].to(param.dtype))
-        scheduler.load_state_dict(resume_state["scheduler"])
-        step, tokens_seen = resume_state["step"], resume_state["tokens_seen"]
-        train_time, losses = resume_state["train_time_s"], list(resume_state["losses"])
-        if resume_state.get("world_size") != world:
-            logger.warning("Resuming with %d processes; the checkpoint was written with %s.", world, resume_state.get("world_size"))
-        # load_checkpoint also restored the RNG states; nothing below draws from them before training.
-        logger.info("Resuming from %s at step %d (example %d).", resume_from, step, step * global_batch)
+        scheduler.load_state_dict(state["scheduler"])
+        progress = _Progress(state["step"], state["tokens_seen"], state["train_time_s"], list(state["losses"]))
+        if state.get("world_size") != world:
+            logger.warning("Resuming with %d processes; the checkpoint was written with %s.", world, state.get("world_size"))
+        logger.info("Resuming from %s at step %d (example %d).", resume_from, progress.step, progress.step * global_batch)
+    resumed_from_step = progress.step if resume_from is not None else None
 
     model, optimizer = accelerator.prepare(model, optimizer)
     unwrapped = accelerator.unwrap_model(model)
     if main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        _truncate_log(output_dir / LOG_FILE, step)
+        _truncate_log(output_dir / LOG_FILE, progress.step)
+        for stale in output_dir.glob(".tmp-*"):  # staging folders of a run killed while saving
+            shutil.rmtree(stale, ignore_errors=True)
 
-    def checkpoint_state() -> dict[str, Any]:
-        return {
-            "step": step,
-            "examples_consumed": step * global_batch,
-            "tokens_seen": tokens_seen,
-            "train_time_s": train_time,
-            "losses": losses,
+    def save_checkpoint() -> None:
+        state = {
+            "examples_consumed": progress.step * global_batch,  # the data position: examples are numbered
+            "tokens_seen": progress.tokens_seen,
+            "train_time_s": progress.train_time_s,
+            "losses": progress.losses,
             "scheduler": scheduler.state_dict(),
             "run": run_fingerprint,
             "data": windows.fingerprint(),
         }
-
-    def save_checkpoint() -> None:
         ckpt.save_checkpoint(
             output_dir / "checkpoints",
-            step,
+            progress.step,
             trainable={name: param for name, param in unwrapped.named_parameters() if param.requires_grad},
             optimizer=optimizer,
             param_names=param_names,
-            trainer_state=checkpoint_state(),
+            trainer_state=state,
             keep_last=config.save_total_limit,
             rank=rank,
             world_size=world,
             barrier=accelerator.wait_for_everyone,
         )
 
-    # -- train ------------------------------------------------------------------------------------
-    model.train()
     tokens_per_step = global_batch * lengths.window
-    progress = tqdm(total=config.max_steps, initial=step, desc="fine-tuning", unit="step", disable=not main, dynamic_ncols=True)
     logger.info(
         "Training %s (%s, scale %g: %d -> %d tokens) for %d steps of %d x %d tokens%s on %d process(es).",
         config.model, config.method, lengths.scale, lengths.original, lengths.target, config.max_steps,
         global_batch, lengths.window, " (PoSE)" if config.pose else "", world,
     )
-    run_started = time.perf_counter()
-    run_start_tokens = tokens_seen
-    while step < config.max_steps:
+    model.train()
+    bar = tqdm(total=config.max_steps, initial=progress.step, desc="fine-tuning", unit="step", disable=not main, dynamic_ncols=True)
+    run_started, run_start_tokens = time.perf_counter(), progress.tokens_seen
+    while progress.step < config.max_steps:
         step_started = time.perf_counter()
-        first = step * global_batch
-        step_indices = list(range(first, first + global_batch))
-        # The loss is a sum over every label token of the step divided by their number, so the
-        # update is the same for any split over processes and micro-batches.
-        label_tokens = sum(int((windows.example(i)["labels"][1:] != IGNORE_INDEX).sum()) for i in step_indices)
-        local_loss = torch.zeros((), device=accelerator.device)
-        for micro_step in range(config.gradient_accumulation_steps):
-            offset = micro_step * world * micro + rank * micro
-            batch = windows.batch(step_indices[offset : offset + micro])
-            batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-            last = micro_step == config.gradient_accumulation_steps - 1
-            sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
-            with sync, torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=bf16):
-                output = model(**batch, num_items_in_batch=torch.tensor(label_tokens, device=accelerator.device))
-                # DDP averages gradients over processes; scale back up so they sum.
-                accelerator.backward(output.loss * world)
-            local_loss += output.loss.detach()
+        first = progress.step * global_batch
+        loss_share = _train_step(accelerator, model, windows, list(range(first, first + global_batch)), micro, bf16)
         if config.max_grad_norm > 0:
             accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        step_loss = float(accelerator.reduce(local_loss, reduction="sum"))
-        if not math.isfinite(step_loss):
-            raise FloatingPointError(f"The loss became {step_loss} at step {step + 1}; lower --learning_rate or check the data.")
-        step += 1
-        tokens_seen += tokens_per_step
+        loss = float(accelerator.reduce(loss_share, reduction="sum"))
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"The loss became {loss} at step {progress.step + 1}; lower --learning_rate or check the data.")
         step_time = time.perf_counter() - step_started
-        train_time += step_time
-        losses.append(step_loss)
-        speed = (tokens_seen - run_start_tokens) / max(time.perf_counter() - run_started, 1e-9)
-        progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{speed:.0f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-        progress.update(1)
+        progress.step += 1
+        progress.tokens_seen += tokens_per_step
+        progress.train_time_s += step_time
+        progress.losses.append(loss)
+        learning_rate = scheduler.get_last_lr()[0]
+        speed = (progress.tokens_seen - run_start_tokens) / max(time.perf_counter() - run_started, 1e-9)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{speed:.0f}", lr=f"{learning_rate:.2e}")
+        bar.update(1)
         if main:
             _append_log(output_dir / LOG_FILE, {
-                "step": step, "loss": step_loss, "learning_rate": scheduler.get_last_lr()[0],
-                "tokens_seen": tokens_seen, "step_time_s": round(step_time, 4), "tokens_per_second": round(tokens_per_step / step_time, 2),
+                "step": progress.step, "loss": loss, "learning_rate": learning_rate, "tokens_seen": progress.tokens_seen,
+                "step_time_s": round(step_time, 4), "tokens_per_second": round(tokens_per_step / step_time, 2),
             })
-        if config.save_steps and (step % config.save_steps == 0 or step == config.max_steps):
+        if config.save_steps and (progress.step % config.save_steps == 0 or progress.step == config.max_steps):
             save_checkpoint()
-    progress.close()
+    bar.close()
     model.eval()
 
-    # -- outputs ----------------------------------------------------------------------------------
     state_dict = accelerator.get_state_dict(model)  # every process takes part (gathers shards under FSDP)
     summary: dict[str, Any] = {}
     if main:
-        adapter_dir = output_dir / "adapter"
-        staging = _staging_dir(output_dir, "adapter")
-        try:
-            unwrapped.save_pretrained(str(staging), state_dict=state_dict)
-            (staging / "README.md").unlink(missing_ok=True)  # peft's empty card template; the summary describes the run
-            ckpt.atomic_write_json(staging / ROPE_PATCH_FILE, rope_record)
-            tokenizer.save_pretrained(str(staging))
-            _publish(staging, adapter_dir)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        merged_dir = output_dir / "merged"
-        if config.save_merged:
-            staging = _staging_dir(output_dir, "merged")
-            try:
-                if config.load_in_4bit or sharded:
-                    # 4-bit weights would round the LoRA update away; sharded weights are not local.
-                    gc.collect()
-                    merged, _ = merge_adapter(model_path, adapter_dir, dtype="bf16" if bf16 or config.load_in_4bit else "fp32")
-                else:
-                    merged = unwrapped.merge_and_unload()
-                merged.config.use_cache = True
-                merged.save_pretrained(str(staging))
-                tokenizer.save_pretrained(str(staging))
-                _publish(staging, merged_dir)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-        summary = {
-            "base_model": config.model,
-            "base_model_path": str(model_path),
-            "method": config.method,
-            "method_params": method_params,
-            "rope_patch": rope_record,
-            "scale": lengths.scale,
-            "original_context": lengths.original,
-            "target_length": lengths.target,
-            "pose": config.pose,
-            "window": lengths.window,
-            "steps": step,
-            "examples_per_step": global_batch,
-            "per_device_batch_size": micro,
-            "gradient_accumulation_steps": config.gradient_accumulation_steps,
-            "num_processes": world,
-            "lora": {
-                "rank": lora.rank,
-                "alpha": lora.alpha,
-                "dropout": lora.dropout,
-                "target_modules": lora.resolved_targets,
-                "modules_to_save": lora.modules_to_save,
-                "trainable_params": sum(param.numel() for _, param in trainable),
-            },
-            "learning_rate": config.learning_rate,
-            "lr_scheduler": config.lr_scheduler,
-            "warmup_steps": config.warmup_steps,
-            "weight_decay": config.weight_decay,
-            "max_grad_norm": config.max_grad_norm,
-            "seed": config.seed,
-            "precision": "bf16" if bf16 else "fp32",
-            "load_in_4bit": config.load_in_4bit,
-            "gradient_checkpointing": config.gradient_checkpointing,
-            "attn_implementation": config.attn_implementation,
-            "tokens_seen": tokens_seen,
-            "train_time_s": round(train_time, 3),
-            "tokens_per_second": round(tokens_seen / train_time, 2) if train_time else None,
-            "final_loss": losses[-1] if losses else None,
-            "losses": losses,
-            "wall_time_s": round(time.perf_counter() - started, 3),
-            "resumed_from_step": resume_state["step"] if resume_state else None,
-            "data_files": list(config.text_files or []),
-            "dataset": config.dataset,
-            "data_windows": len(windows),
-            "data_tokens": windows.num_tokens,
-            "adapter_dir": "adapter",
-            "merged_dir": "merged" if config.save_merged else None,
-            "device": str(accelerator.device),
-            "versions": _versions(),
-        }
+        merge_dtype = "bf16" if bf16 or config.load_in_4bit else "fp32"
+        _save_outputs(config, output_dir, unwrapped, state_dict, tokenizer, rope_record, model_path,
+                      reload_to_merge=config.load_in_4bit or sharded, merge_dtype=merge_dtype)
+        summary = _summary(config, lengths, lora, progress, rope_record,
+                           model_path=model_path, windows=windows, global_batch=global_batch, world=world,
+                           trainable_params=sum(param.numel() for _, param in trainable), bf16=bf16,
+                           resumed_from_step=resumed_from_step, device=accelerator.device,
+                           wall_time_s=time.perf_counter() - started)
         ckpt.atomic_write_json(output_dir / SUMMARY_FILE, summary)
-        logger.info("Wrote %s (final loss %.4f, %.0f tokens/s).", output_dir, summary["final_loss"] or float("nan"), summary["tokens_per_second"] or 0)
+        logger.info("Wrote %s (final loss %.4f, %.0f tokens/s).", output_dir, summary["final_loss"], summary["tokens_per_second"] or 0)
     accelerator.wait_for_everyone()
     return summary
+
+
+def _save_outputs(config, output_dir: Path, peft_model, state_dict, tokenizer, rope_record, model_path: str, *,
+                  reload_to_merge: bool, merge_dtype: str) -> None:
+    """Write ``adapter/`` and ``merged/``, each to a temporary folder renamed into place."""
+    adapter_dir = output_dir / "adapter"
+    staging = _staging_dir(output_dir, "adapter")
+    try:
+        peft_model.save_pretrained(str(staging), state_dict=state_dict)
+        (staging / "README.md").unlink(missing_ok=True)  # peft's empty card template; the summary describes the run
+        ckpt.atomic_write_json(staging / ROPE_PATCH_FILE, rope_record)
+        tokenizer.save_pretrained(str(staging))
+        _publish(staging, adapter_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if not config.save_merged:
+        return
+    staging = _staging_dir(output_dir, "merged")
+    try:
+        if reload_to_merge:
+            # 4-bit weights would round the LoRA update away, and sharded weights are not local:
+            # merge into a fresh unquantized copy of the base model instead.
+            gc.collect()
+            merged, _ = merge_adapter(model_path, adapter_dir, dtype=merge_dtype)
+        else:
+            merged = peft_model.merge_and_unload()
+        merged.config.use_cache = True
+        merged.save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
+        _publish(staging, output_dir / "merged")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _summary(config: FinetuneConfig, lengths: _Lengths, lora: LoraSettings, progress: _Progress, rope_record, *,
+             model_path: str, windows: PackedWindows, global_batch: int, world: int, trainable_params: int,
+             bf16: bool, resumed_from_step: int | None, device: torch.device, wall_time_s: float) -> dict[str, Any]:
+    """``training_summary.json``: what was trained, on what, and how it went."""
+    return {
+        "base_model": config.model,
+        "base_model_path": str(model_path),
+        "method": config.method,
+        "method_params": config.parsed_method_params(),
+        "rope_patch": rope_record,
+        "scale": lengths.scale,
+        "original_context": lengths.original,
+        "target_length": lengths.target,
+        "pose": config.pose,
+        "window": lengths.window,
+        "steps": progress.step,
+        "examples_per_step": global_batch,
+        "per_device_batch_size": config.per_device_batch_size,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "num_processes": world,
+        "lora": {
+            "rank": lora.rank,
+            "alpha": lora.alpha,
+            "dropout": lora.dropout,
+            "target_modules": lora.resolved_targets,
+            "modules_to_save": lora.modules_to_save,
+            "trainable_params": trainable_params,
+        },
+        "learning_rate": config.learning_rate,
+        "lr_scheduler": config.lr_scheduler,
+        "warmup_steps": config.warmup_steps,
+        "weight_decay": config.weight_decay,
+        "max_grad_norm": config.max_grad_norm,
+        "seed": config.seed,
+        "precision": "bf16" if bf16 else "fp32",
+        "load_in_4bit": config.load_in_4bit,
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "attn_implementation": config.attn_implementation,
+        "tokens_seen": progress.tokens_seen,
+        "train_time_s": round(progress.train_time_s, 3),
+        "tokens_per_second": round(progress.tokens_seen / progress.train_time_s, 2) if progress.train_time_s else None,
+        "final_loss": progress.losses[-1],
+        "losses": progress.losses,
+        "wall_time_s": round(wall_time_s, 3),
+        "resumed_from_step": resumed_from_step,
+        "data_files": list(config.text_files or []),
+        "dataset": config.dataset,
+        "data_windows": len(windows),
+        "data_tokens": windows.num_tokens,
+        "adapter_dir": "adapter",
+        "merged_dir": "merged" if config.save_merged else None,
+        "device": str(device),
+        "versions": _versions(),
+    }
 
 
 def _versions() -> dict[str, str]:

@@ -1,0 +1,121 @@
+"""The README results table: none / linear / ntk / dynamic / yarn / dynamic-yarn on SmolLM2.
+
+Perplexity of the first L tokens of a long document (one forward per length) at 4k / 8k / 16k /
+32k tokens, perplexity of the positions beyond the native context (8k), and passkey retrieval at
+8k / 16k / 32k tokens (key at depths 0.1 / 0.5 / 0.9), at scales 2 and 4. Then checks the goals:
+the default method against the best of the other methods beyond the native context at 2x (16k,
+scale 2) and 4x (32k, scale 4), and every method's perplexity inside the native context (4k, 8k)
+against the unpatched model (goal: within 0.5%).
+
+Cases whose rotary frequencies equal those of a finished case are not computed twice (the
+length-dependent methods inside the native context are the unpatched model; dynamic-yarn's
+frequencies depend on the length only, not on the configured scale).
+
+Full run (CPU, 2 cores: about 8 hours, mostly the 32k forwards; resumable: rerun the same
+command after an interruption)::
+
+    python examples/run_results_table.py --text_file ../shared/data/books/pg84.txt \\
+        --output_dir outputs/results_table
+
+A quick slice (about 4 minutes)::
+
+    python examples/run_results_table.py --text_file ../shared/data/books/pg84.txt \\
+        --output_dir outputs/results_table_slice --methods none,yarn --scales 2 \\
+        --ppl_lengths 4096,8192,10240 --retrieval_lengths ""
+
+Prints the table in markdown and writes every report of ``hf-rope-ext eval`` under ``--output_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from hf_rope_ext import DEFAULT_METHOD
+from hf_rope_ext.evaluation import EvalPlan, run_evaluation
+from hf_rope_ext.evaluation.report import comparison_table, state_label
+from hf_rope_ext.evaluation.runner import documents_from_files
+from hf_rope_ext.loading import SMOLLM2_ALIASES, SMOLLM2_HUB_ID, load_model
+
+
+def _ints(text: str) -> list[int]:
+    return [int(item) for item in text.split(",") if item.strip()]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--text_file", type=Path, required=True, help="one long document (over 32k tokens)")
+    parser.add_argument("--output_dir", type=Path, required=True)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--methods", default="none,linear,ntk,dynamic,yarn,dynamic-yarn")
+    parser.add_argument("--scales", default="2,4")
+    parser.add_argument("--ppl_lengths", type=_ints, default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--retrieval_lengths", type=_ints, default=[8192, 16384, 32768])
+    parser.add_argument("--depths", default="0.1,0.5,0.9")
+    parser.add_argument("--trials", type=int, default=1, help="passkeys per length and depth")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--attn_implementation", default="sdpa")
+    return parser.parse_args()
+
+
+def goal_checks(summary: dict, native: int) -> list[str]:
+    """Sentences comparing the default method with the others, from the pooled results."""
+    rows = {(row["method"], row["scale"], row["context_length"]): row
+            for row in summary["perplexity"] if row["mode"] == "buckets"}  # fmt: skip
+    lines = []
+    for scale, length in ((2.0, 2 * native), (4.0, 4 * native)):
+        ours = rows.get((DEFAULT_METHOD, scale, length))
+        others = {method: row["beyond_native_ppl"] for (method, s, l), row in rows.items()
+                  if s == scale and l == length and method != DEFAULT_METHOD}  # fmt: skip
+        if ours is None or not others:
+            continue
+        best = min(others, key=others.get)
+        verdict = "beats" if ours["beyond_native_ppl"] < others[best] else "does NOT beat"
+        lines.append(f"At {length} tokens, scale {scale:g}: {DEFAULT_METHOD} {ours['beyond_native_ppl']:.2f} beyond "
+                     f"{native} {verdict} the best other method, {best} {others[best]:.2f}.")  # fmt: skip
+    for length in sorted({key[2] for key in rows if key[2] <= native}):
+        baseline = rows.get(("none", None, length))
+        if baseline is None:
+            continue
+        for (method, scale, l), row in sorted(rows.items(), key=lambda item: (item[0][0], item[0][1] or 0)):
+            if l == length and method != "none":
+                change = row["ppl"] / baseline["ppl"] - 1
+                mark = "within" if abs(change) <= 0.005 else "OUTSIDE"
+                lines.append(f"At {length} tokens: {state_label(method, scale)} {row['ppl']:.3f} vs unpatched "
+                             f"{baseline['ppl']:.3f} ({change:+.2%}, {mark} 0.5%).")  # fmt: skip
+    return lines
+
+
+def main() -> None:
+    args = parse_args()
+    plan = EvalPlan(
+        methods=[m for m in args.methods.split(",") if m],
+        scales=[float(s) for s in args.scales.split(",") if s],
+        ppl_lengths=args.ppl_lengths,
+        ppl_modes=["buckets"],
+        retrieval_tasks=["passkey"] if args.retrieval_lengths else [],
+        retrieval_lengths=args.retrieval_lengths,
+        depths=[float(d) for d in args.depths.split(",") if d],
+        trials=args.trials,
+        seed=args.seed,
+    )
+    plan.validate(None)  # fail on bad input before loading the model
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
+                                  attn_implementation=args.attn_implementation)  # fmt: skip
+    native = int(model.config.max_position_embeddings)
+    documents = documents_from_files(tokenizer, [args.text_file])
+    name = SMOLLM2_HUB_ID if args.model.lower() in SMOLLM2_ALIASES else args.model
+    run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=name, dtype=args.dtype)
+    summary = json.loads((args.output_dir / "summary.json").read_text(encoding="utf-8"))
+    print(f"\n{name}, {args.dtype}, document {args.text_file.name}; perplexity of the first L tokens (one forward), "
+          f"passkey retrieved / tried (depths {args.depths}).\n")  # fmt: skip
+    print(comparison_table(summary))
+    for line in goal_checks(summary, native):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
