@@ -5,7 +5,7 @@ context length and passkey / needle retrieval, and unpatches it. Results are app
 ``<output_dir>/results.jsonl`` after every case (rerun the same command to resume) and summarised
 in ``results.md``, ``results.csv``, ``summary.json`` and PNG plots in the same folder.
 
-Run (CPU, SmolLM2, about 4 minutes)::
+Run (CPU, SmolLM2, about 3 minutes on 2 cores)::
 
     python examples/eval_long_context.py --text_file ../shared/data/books/pg84.txt \\
         --methods none,yarn --scales 2 --ppl_lengths 4096,9216 \\
@@ -17,6 +17,7 @@ The same through the installed command line: ``hf-rope-ext eval --help``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
@@ -51,6 +52,7 @@ class Arguments:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     (args,) = HfArgumentParser(Arguments).parse_args_into_dataclasses()
     plan = EvalPlan(
         methods=_split(args.methods),

@@ -11,23 +11,28 @@ Cases whose rotary frequencies equal those of a finished case are not computed t
 length-dependent methods inside the native context are the unpatched model; dynamic-yarn's
 frequencies depend on the length only, not on the configured scale).
 
-Full run (CPU, 2 cores: about 8 hours, mostly the 32k forwards; resumable: rerun the same
-command after an interruption)::
+Full run (about 4-5 hours on an idle 2-core CPU, more when it is shared; most of it is the 32k
+forwards: one takes about 4-6 minutes; resumable: rerun the same command after an interruption)::
 
     python examples/run_results_table.py --text_file ../shared/data/books/pg84.txt \\
         --output_dir outputs/results_table
 
-A quick slice (about 4 minutes)::
+A quick slice (4 minutes on an idle 2-core CPU)::
 
     python examples/run_results_table.py --text_file ../shared/data/books/pg84.txt \\
-        --output_dir outputs/results_table_slice --methods none,yarn --scales 2 \\
+        --output_dir outputs/results_table_slice --methods none,yarn,dynamic-yarn --scales 2 \\
         --ppl_lengths 4096,8192,10240 --retrieval_lengths ""
+
+Note: at exactly 2x and 4x the native context, dynamic-yarn uses the frequencies of yarn at
+scale 2 and 4 (its scale is length / native context), so those cells are equal by construction;
+lengths in between (e.g. ``--ppl_lengths 4096,8192,12288,16384,24576,32768``) show where they differ.
 
 Prints the table in markdown and writes every report of ``hf-rope-ext eval`` under ``--output_dir``.
 """
 
 from __future__ import annotations
 
+import logging
 import argparse
 import json
 from pathlib import Path
@@ -73,7 +78,11 @@ def goal_checks(summary: dict, native: int) -> list[str]:
         if ours is None or not others:
             continue
         best = min(others, key=others.get)
-        verdict = "beats" if ours["beyond_native_ppl"] < others[best] else "does NOT beat"
+        if ours["beyond_native_ppl"] == others[best]:
+            # e.g. dynamic-yarn at exactly s * native tokens has the frequencies of yarn at scale s
+            verdict = "equals"
+        else:
+            verdict = "beats" if ours["beyond_native_ppl"] < others[best] else "does NOT beat"
         lines.append(f"At {length} tokens, scale {scale:g}: {DEFAULT_METHOD} {ours['beyond_native_ppl']:.2f} beyond "
                      f"{native} {verdict} the best other method, {best} {others[best]:.2f}.")  # fmt: skip
     for length in sorted({key[2] for key in rows if key[2] <= native}):
@@ -90,6 +99,7 @@ def goal_checks(summary: dict, native: int) -> list[str]:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args()
     plan = EvalPlan(
         methods=[m for m in args.methods.split(",") if m],
@@ -110,8 +120,9 @@ def main() -> None:
     name = SMOLLM2_HUB_ID if args.model.lower() in SMOLLM2_ALIASES else args.model
     run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=name, dtype=args.dtype)
     summary = json.loads((args.output_dir / "summary.json").read_text(encoding="utf-8"))
-    print(f"\n{name}, {args.dtype}, document {args.text_file.name}; perplexity of the first L tokens (one forward), "
-          f"passkey retrieved / tried (depths {args.depths}).\n")  # fmt: skip
+    retrieval = f", passkey retrieved / tried (depths {args.depths})" if args.retrieval_lengths else ""
+    print(f"\n{name}, {args.dtype}, document {args.text_file.name}: perplexity of the first L tokens "
+          f"(one forward){retrieval}.\n")  # fmt: skip
     print(comparison_table(summary))
     for line in goal_checks(summary, native):
         print(line)

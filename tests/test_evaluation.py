@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import random
 import time
 from pathlib import Path
 
@@ -31,7 +30,6 @@ from hf_rope_ext.evaluation import (
     write_reports,
 )
 from hf_rope_ext.evaluation import retrieval
-from hf_rope_ext.evaluation.report import summarize
 
 SHARED_BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pg84.txt"
 
@@ -80,7 +78,8 @@ def test_chunked_loss_on_patched_length_dependent_model():
     model = make_model("llama")
     patch_model(model, 4, "dynamic-yarn")
     ids = random_ids(3 * ORIGINAL_CONTEXT)[0]
-    torch.testing.assert_close(token_losses(model, ids, chunk_size=5).double(), reference_losses(model, ids), atol=1e-5, rtol=1e-5)
+    losses = token_losses(model, ids, chunk_size=5).double()
+    torch.testing.assert_close(losses, reference_losses(model, ids), atol=1e-5, rtol=1e-5)
 
 
 def test_bucket_perplexity_matches_direct_computation():
@@ -345,7 +344,8 @@ def test_interrupted_run_keeps_finished_cases_and_resumes(tmp_path):
     assert len(records) == 10 and counter.calls == 10 - len(saved)  # one forward per remaining case
 
     # Same numbers as an uninterrupted run in a fresh folder.
-    fresh = run_evaluation(make_model("llama"), CharTokenizer(), plan, tmp_path / "fresh", documents=documents, progress=False)
+    fresh = run_evaluation(make_model("llama"), CharTokenizer(), plan, tmp_path / "fresh", documents=documents,
+                           progress=False)  # fmt: skip
     key = lambda r: (r["method"], r["scale"], r["context_length"])  # noqa: E731
     assert {key(r): r["ppl"] for r in records} == pytest.approx({key(r): r["ppl"] for r in fresh}, rel=1e-9)
 
@@ -540,7 +540,8 @@ def test_eval_and_demo_commands_end_to_end(tiny_checkpoint, tmp_path, capsys):
     records = read_results(output)
     # 3 states x (2 lengths x 2 modes + 2 tasks x 1 length x 1 depth)
     assert len(records) == 3 * (4 + 2)
-    sliding = [r for r in records if r.get("mode") == "sliding" and r["method"] == "none" and r["context_length"] == 128]
+    sliding = [r for r in records
+               if r.get("mode") == "sliding" and r["method"] == "none" and r["context_length"] == 128]  # fmt: skip
     assert sliding[0]["windows"] == 1 + math.ceil((384 - 128) / 64) and sliding[0]["stride"] == 64
     assert {"summary.json", "results.csv", "results.md", "perplexity_by_position.png", "retrieval_passkey.png",
             "retrieval_needle.png"} <= {path.name for path in output.iterdir()}  # fmt: skip

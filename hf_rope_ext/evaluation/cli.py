@@ -58,7 +58,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser, output_dir: Path | Non
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
     group.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights dtype")
     group.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
-    group.add_argument("--device-map", default=None, help="e.g. 'auto' to spread a big model over the GPUs (accelerate)")
+    group.add_argument("--device-map", default=None,
+                       help="e.g. 'auto' to spread a big model over the GPUs (accelerate)")
     group.add_argument("--text-file", action="extend", nargs="+", default=[], type=Path,
                        help="long text document(s); Project Gutenberg headers are stripped")
     group.add_argument("--dataset", default=None, help="a datasets dataset of long texts, e.g. emozilla/pg19-test")
@@ -66,8 +67,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser, output_dir: Path | Non
     group.add_argument("--dataset-split", default="test")
     group.add_argument("--text-field", default="text")
     group.add_argument("--num-documents", type=int, default=1, help="texts taken from --dataset")
+    default = f" (default {output_dir})" if output_dir else ""
     group.add_argument("--output-dir", "--output_dir", type=Path, default=output_dir, required=output_dir is None,
-                       help="results.jsonl and the reports go here" + (f" (default {output_dir})" if output_dir else ""))
+                       help=f"results.jsonl and the reports go here{default}")
     group.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -88,13 +90,15 @@ def add_parser(subparsers) -> None:
                        help="context lengths for perplexity, e.g. 4096,8192,16384 or 4k,8k,16k")
     group.add_argument("--ppl-modes", type=_name_list, default=["buckets"],
                        help="buckets (one forward of L tokens, loss by position) and/or sliding")
-    group.add_argument("--bucket-size", type=int, default=None, help="position bucket width (default: native context / 4)")
+    group.add_argument("--bucket-size", type=int, default=None,
+                       help="position bucket width (default: native context / 4)")
     group.add_argument("--stride", type=int, default=256, help="sliding-window stride S (default 256)")
     group.add_argument("--sliding-tokens", type=int, default=None,
                        help="document tokens scored by sliding windows (default: the longest --ppl-lengths)")
     group.add_argument("--retrieval-tasks", type=_name_list, default=[], help="passkey and/or needle")
     group.add_argument("--retrieval-lengths", type=_int_list, default=[], help="total tokens, prompt plus answer")
-    group.add_argument("--depths", type=_float_list, default=[0.1, 0.5, 0.9], help="key depths, fractions (default 0.1,0.5,0.9)")
+    group.add_argument("--depths", type=_float_list, default=[0.1, 0.5, 0.9],
+                       help="key depths, fractions (default 0.1,0.5,0.9)")
     group.add_argument("--trials", type=int, default=3, help="prompts per length and depth (default 3)")
     group.add_argument("--needle-count", type=int, default=4, help="keys per needle prompt (default 4)")
     group.add_argument("--max-new-tokens", type=int, default=8)
@@ -109,15 +113,18 @@ def add_parser(subparsers) -> None:
         "demo",
         help="perplexity beyond the native context and a passkey, before and after patch_model",
         description="Shows on a real model (SmolLM2 by default) what patch_model changes: perplexity beyond the "
-        "native context and passkey retrieval beyond it, unpatched against patched. About 8 minutes on 2 CPU "
+        "native context and passkey retrieval beyond it, unpatched against patched. About 6 minutes on 2 CPU "
         "cores; on a GPU it picks longer lengths.",
     )
     _add_model_arguments(parser, output_dir=Path("outputs/demo"))
     group = parser.add_argument_group("demo")
-    group.add_argument("--method", default=DEFAULT_METHOD, help=f"method of the patched model (default {DEFAULT_METHOD})")
-    group.add_argument("--scale", type=float, default=None, help="scale of the patched model (default 2 on CPU, 4 on GPU)")
+    group.add_argument("--method", default=DEFAULT_METHOD,
+                       help=f"method of the patched model (default {DEFAULT_METHOD})")
+    group.add_argument("--scale", type=float, default=None,
+                       help="scale of the patched model (default 2 on CPU, 4 on GPU)")
     group.add_argument("--ppl-length", type=int, default=None, help="tokens of the perplexity forward")
-    group.add_argument("--passkey-length", type=int, default=None, help="tokens of the passkey prompts, answer included")
+    group.add_argument("--passkey-length", type=int, default=None,
+                       help="tokens of the passkey prompts, answer included")
     parser.set_defaults(handler=run_demo_command)
 
 
@@ -160,7 +167,9 @@ def _native_context(model_name: str) -> int:
     config = AutoConfig.from_pretrained(resolve_model_path(model_name))
     value = getattr(config, "max_position_embeddings", None)
     if not isinstance(value, int):
-        raise EvaluationError(f"{model_name}: its config has no max_position_embeddings, so its native context is unknown.")
+        raise EvaluationError(
+            f"{model_name}: its config has no max_position_embeddings, so its native context is unknown."
+        )
     return value
 
 

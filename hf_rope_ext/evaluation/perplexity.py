@@ -51,6 +51,11 @@ __all__ = [
 ]
 
 
+def safe_exp(nll: float) -> float:
+    """``exp(nll)``, or infinity where it would overflow (a broken model's perplexity)."""
+    return math.exp(nll) if nll < 709 else float("inf")
+
+
 @dataclass
 class BucketPerplexity:
     """Loss sums per position bucket of one or more documents at one context length."""
@@ -66,7 +71,7 @@ class BucketPerplexity:
 
     @property
     def ppl(self) -> float:
-        return math.exp(self.nll)
+        return safe_exp(self.nll)
 
     @property
     def tokens(self) -> int:
@@ -74,20 +79,8 @@ class BucketPerplexity:
 
     def bucket_ppls(self) -> list[tuple[int, int, float]]:
         """``(start, end, ppl)`` per bucket."""
-        return [
-            (start, end, math.exp(total / count) if count else float("nan"))
-            for start, end, total, count in zip(self.boundaries[:-1], self.boundaries[1:], self.nll_sums, self.token_counts)
-        ]
-
-    def ppl_between(self, start: int, end: int) -> float:
-        """Perplexity over the buckets lying inside ``[start, end)``."""
-        total = count = 0
-        for lo, hi, nll, n in zip(self.boundaries[:-1], self.boundaries[1:], self.nll_sums, self.token_counts):
-            if lo >= start and hi <= end:
-                total, count = total + nll, count + n
-        if not count:
-            raise ValueError(f"No bucket lies inside [{start}, {end}); buckets: {self.boundaries}.")
-        return math.exp(total / count)
+        spans = zip(self.boundaries[:-1], self.boundaries[1:], self.nll_sums, self.token_counts)
+        return [(start, end, safe_exp(total / count) if count else float("nan")) for start, end, total, count in spans]
 
 
 @dataclass
@@ -99,7 +92,7 @@ class SlidingPerplexity:
     nll_sum: float = 0.0
     tokens: int = 0
     windows: int = 0
-    eval_tokens: list[int] = field(default_factory=list)  # document tokens scored, per document
+    eval_tokens: list[int] = field(default_factory=list)  # tokens of each document covered by the windows
 
     @property
     def nll(self) -> float:
@@ -107,7 +100,7 @@ class SlidingPerplexity:
 
     @property
     def ppl(self) -> float:
-        return math.exp(self.nll)
+        return safe_exp(self.nll)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,7 +256,8 @@ def bucket_perplexity(
     if boundaries is None:
         boundaries = default_boundaries(context_length, bucket_size or context_length)
     boundaries = [int(b) for b in boundaries]
-    if boundaries[0] != 0 or boundaries[-1] != context_length or any(a >= b for a, b in zip(boundaries, boundaries[1:])):
+    rising = all(a < b for a, b in zip(boundaries, boundaries[1:]))
+    if boundaries[0] != 0 or boundaries[-1] != context_length or not rising:
         raise ValueError(f"boundaries must rise strictly from 0 to context_length={context_length}, got {boundaries}.")
     sums = [0.0] * (len(boundaries) - 1)
     counts = [0] * (len(boundaries) - 1)
@@ -338,7 +332,8 @@ def sliding_window_perplexity(
                 f"{context_length - 1} document tokens), got {stride}."
             )
         spans = sliding_windows(len(body), context_length - len(prefix), stride)
-        for begin, end, scored in tqdm(spans, desc=f"sliding windows (L={context_length})", leave=False, disable=not progress):
+        bar = tqdm(spans, desc=f"sliding windows (L={context_length})", leave=False, disable=not progress)
+        for begin, end, scored in bar:
             window = torch.cat((prefix, body[begin:end]))
             # Without BOS the window's first token cannot be predicted.
             scored = min(scored, len(window) - 1)

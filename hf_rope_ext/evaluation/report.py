@@ -19,6 +19,7 @@ all depths.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import logging
@@ -29,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .perplexity import safe_exp
 from .runner import atomic_write_text, read_results
 
 logger = logging.getLogger(__name__)
@@ -73,10 +75,11 @@ def pooled_ranges(buckets: Sequence[Sequence[float]], edges: Sequence[int]) -> l
     for bucket in buckets:
         index = max(i for i in range(len(edges) - 1) if edges[i] <= bucket[0])
         groups.setdefault(index, []).append(bucket)
-    return [
-        [min(b[0] for b in group), max(b[1] for b in group), pool_log_ppl((b[2], bucket_token_count(b[0], b[1])) for b in group)]
-        for _, group in sorted(groups.items())
-    ]
+    pooled = []
+    for _, group in sorted(groups.items()):
+        ppl = pool_log_ppl((bucket[2], bucket_token_count(bucket[0], bucket[1])) for bucket in group)
+        pooled.append([min(bucket[0] for bucket in group), max(bucket[1] for bucket in group), ppl])
+    return pooled
 
 
 def _state(record: Mapping[str, Any]) -> tuple[str, float | None]:
@@ -111,7 +114,7 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         nll = sum(part["nll"] * part["tokens"] for part in parts) / max(tokens, 1)
         row = {"mode": mode, "method": method, "scale": scale, "model": model, "dtype": dtype,
                "context_length": length, "stride": stride, "eval_tokens": eval_tokens, "bucket_size": bucket_size,
-               "documents": [part.get("document") for part in parts], "ppl": math.exp(nll) if nll < 700 else float("inf"),
+               "documents": [part.get("document") for part in parts], "ppl": safe_exp(nll),
                "nll": nll, "tokens": tokens, "ranges": None, "beyond_native_ppl": None}  # fmt: skip
         native = parts[0].get("native_context")
         if mode == "buckets" and native:
@@ -206,8 +209,8 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
             header = ["method"] + [f"L={_tokens_label(length)}" for length in lengths]
             table = []
             for state in _states_in_order(rows):
-                table.append([state_label(*state)] + [_format_ppl(cell[(state, length)]["ppl"]) if (state, length) in cell
-                                                      else "" for length in lengths])  # fmt: skip
+                values = [cell[(state, length)]["ppl"] if (state, length) in cell else None for length in lengths]
+                table.append([state_label(*state)] + [_format_ppl(value) for value in values])
             parts.append(_table(header, table))
             if mode == "buckets":
                 beyond = [length for length in lengths if native and isinstance(native, int) and length > native]
@@ -219,7 +222,8 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
                              for state in _states_in_order(rows)]  # fmt: skip
                     parts.append(_table(header, table))
                 longest = max(lengths)
-                ranges = next((row["ranges"] for row in rows if row["context_length"] == longest and row["ranges"]), None)
+                ranges = next((row["ranges"] for row in rows if row["context_length"] == longest and row["ranges"]),
+                              None)  # fmt: skip
                 if ranges:
                     parts.append(f"\n### Perplexity by position, one forward of L={_tokens_label(longest)} tokens\n")
                     header = ["method"] + [f"{_tokens_label(lo)}-{_tokens_label(hi)}" for lo, hi, _ in ranges]
@@ -228,7 +232,8 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
                         row = cell.get((state, longest))
                         if row and row["ranges"]:
                             values = {(lo, hi): ppl for lo, hi, ppl in row["ranges"]}
-                            table.append([state_label(*state)] + [_format_ppl(values.get((lo, hi))) for lo, hi, _ in ranges])
+                            cells = [_format_ppl(values.get((lo, hi))) for lo, hi, _ in ranges]
+                            table.append([state_label(*state)] + cells)
                     parts.append(_table(header, table))
             parts.append("")
         for task in sorted({row["task"] for row in retrieval_rows}):
@@ -302,7 +307,7 @@ def _save_figure(figure, path: Path) -> None:
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as file:
-            figure.savefig(file, format="png", dpi=120, bbox_inches="tight")
+            figure.savefig(file, format="png", dpi=120)
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
@@ -325,7 +330,7 @@ def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
     native = summary["native_context"] if isinstance(summary["native_context"], int) else None
     if rows:
         scales = _scales_for_plot(rows)
-        figure = Figure(figsize=(6 * len(scales), 4.5))
+        figure = Figure(figsize=(6 * len(scales), 4.5), layout="constrained")
         for index, scale in enumerate(scales):
             axes = figure.add_subplot(1, len(scales), index + 1)
             for state in _states_in_order(rows):
@@ -352,7 +357,7 @@ def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
     if rows:
         modes = [mode for mode in ("buckets", "sliding") if any(row["mode"] == mode for row in rows)]
         scales = _scales_for_plot(rows)
-        figure = Figure(figsize=(6 * len(scales), 4.5 * len(modes)))
+        figure = Figure(figsize=(6 * len(scales), 4.5 * len(modes)), layout="constrained")
         for mode_index, mode in enumerate(modes):
             mode_rows = [row for row in rows if row["mode"] == mode]
             for index, scale in enumerate(scales):
@@ -360,7 +365,8 @@ def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
                 for state in _states_in_order(mode_rows):
                     if state[1] not in (None, scale):
                         continue
-                    mine = sorted((row for row in mode_rows if _state(row) == state), key=lambda row: row["context_length"])
+                    mine = sorted((row for row in mode_rows if _state(row) == state),
+                                  key=lambda row: row["context_length"])  # fmt: skip
                     axes.plot([row["context_length"] for row in mine], [row["ppl"] for row in mine], marker="o",
                               label=state_label(*state))  # fmt: skip
                 if native:
@@ -392,7 +398,8 @@ def plot_retrieval(records: Sequence[Mapping[str, Any]], output_dir: Path) -> li
         depths = sorted({row["depth"] for row in task_rows})
         columns = min(len(states), 4)
         lines = math.ceil(len(states) / columns)
-        figure = Figure(figsize=(1.2 + 1.1 * len(lengths) * columns, 0.9 + 0.55 * len(depths) * lines + 0.6 * lines))
+        panel_width, panel_height = max(2.6, 0.8 * len(lengths) + 1.0), max(2.2, 0.45 * len(depths) + 1.3)
+        figure = Figure(figsize=(panel_width * columns + 1.2, panel_height * lines + 0.5), layout="constrained")
         image = None
         for index, state in enumerate(states):
             axes = figure.add_subplot(lines, columns, index + 1)
@@ -413,7 +420,7 @@ def plot_retrieval(records: Sequence[Mapping[str, Any]], output_dir: Path) -> li
             axes.set_ylabel("depth")
             axes.set_title(state_label(*state), fontsize=10)
         if image is not None:
-            figure.colorbar(image, ax=figure.axes, shrink=0.8, label="accuracy")
+            figure.colorbar(image, ax=figure.axes, shrink=0.8, label="fraction of keys retrieved")
         figure.suptitle(f"{task} retrieval")
         path = output_dir / f"retrieval_{task}.png"
         _save_figure(figure, path)
@@ -435,9 +442,7 @@ def write_reports(output_dir: str | Path, *, plots: bool = True) -> list[Path]:
         atomic_write_text(output_dir / name, text)
         written.append(output_dir / name)
     if plots and records:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("matplotlib") is None:
             logger.warning("matplotlib is not installed, so no PNG plots were written: pip install matplotlib")
         else:
             written += plot_perplexity(summary, output_dir)

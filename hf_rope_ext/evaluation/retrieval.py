@@ -52,7 +52,9 @@ INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about the important information there."
 )
-FILLER_SENTENCES = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+FILLER_SENTENCES = (
+    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
+)  # fmt: skip
 PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = "What is the pass key? The pass key is"
 NEEDLE_LINE = "The pass key for {name} is {key}. Remember it."
@@ -173,7 +175,8 @@ def build_prompt(
 def passkey_prompt(tokenizer, length: int, depth: float, key: int | str, *, add_bos: bool = True) -> RetrievalPrompt:
     """The passkey prompt with ``key`` at ``depth``."""
     key = str(key)
-    return build_prompt(tokenizer, length, [(depth, PASSKEY_NEEDLE.format(key=key))], PASSKEY_QUESTION, key, add_bos=add_bos)
+    needle = PASSKEY_NEEDLE.format(key=key)
+    return build_prompt(tokenizer, length, [(depth, needle)], PASSKEY_QUESTION, key, add_bos=add_bos)
 
 
 def needle_prompt(
@@ -232,7 +235,9 @@ def grade(output: str, answer: str) -> bool:
 
 
 @torch.no_grad()
-def greedy_generate(model: nn.Module, input_ids: Sequence[int], max_new_tokens: int, *, eos_token_id=None, pad_token_id=None) -> list[int]:
+def greedy_generate(
+    model: nn.Module, input_ids: Sequence[int], max_new_tokens: int, *, eos_token_id=None, pad_token_id=None
+) -> list[int]:
     """Greedy continuation of one prompt (transformers' ``generate`` with a KV cache)."""
     from transformers import GenerationConfig
 

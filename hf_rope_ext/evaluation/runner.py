@@ -19,7 +19,9 @@ Schema (``scale`` is ``null`` for ``method: "none"``, the unpatched model)::
      "reused_from": null | {"method": "none", "scale": null}}
 
     {"kind": "retrieval", "task": "passkey" | "needle", "method": "yarn", "scale": 4.0,
-     "model": "...", "dtype": "fp32", "length": 16384, "depth": 0.5, "trials": 5, "seed": 0,
+     "model": "...", "dtype": "fp32",
+     "length": 16384,                  # prompt + answer budget: prompts have length - max_new_tokens tokens
+     "depth": 0.5, "trials": 5, "seed": 0,
      "needle_count": null | 4, "max_new_tokens": 8,
      "correct": 4, "accuracy": 0.8, "answers": ["12345", ...], "outputs": [" 12345. The", ...],
      "native_context": 8192, "rope_fingerprint": "...", "seconds": 402.0, "reused_from": null}
@@ -89,7 +91,8 @@ def case_key(record: Mapping[str, Any]) -> str:
 def _data_key(record: Mapping[str, Any]) -> str:
     """The identity without the model state, plus the RoPE fingerprint: equal keys, equal results."""
     fields = [name for name in IDENTITY_FIELDS[record["kind"]] if name not in _STATE_FIELDS]
-    return json.dumps({**{name: record.get(name) for name in fields}, "rope": record.get("rope_fingerprint")}, sort_keys=True)
+    identity = {name: record.get(name) for name in fields}
+    return json.dumps({**identity, "rope": record.get("rope_fingerprint")}, sort_keys=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,7 +140,8 @@ class ResultStore:
                     atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in records))
                     break
                 raise EvaluationError(
-                    f"{self.path}, line {number}, is not valid JSON; fix or remove that line, or use another --output-dir."
+                    f"{self.path}, line {number}, is not valid JSON; fix or remove that line, or use another "
+                    "--output-dir."
                 ) from None
         for record in records:
             case_key(record)  # raises on records of an unknown kind
@@ -257,7 +261,9 @@ class EvalPlan:
         if self.ppl_lengths and not self.ppl_modes:
             raise EvaluationError("Perplexity lengths were given but no --ppl-modes.")
         if not self.ppl_lengths and not (self.retrieval_tasks and self.retrieval_lengths):
-            raise EvaluationError("Nothing to evaluate: give --ppl-lengths and/or --retrieval-tasks with --retrieval-lengths.")
+            raise EvaluationError(
+                "Nothing to evaluate: give --ppl-lengths and/or --retrieval-tasks with --retrieval-lengths."
+            )
         for depth in self.depths:
             if not 0.0 <= depth <= 1.0:
                 raise EvaluationError(f"Depths are fractions of the prompt between 0 and 1, got {depth}.")
@@ -273,7 +279,9 @@ class EvalPlan:
             raise EvaluationError(f"bucket_size must be a positive number of tokens, got {self.bucket_size}.")
         if "sliding" in self.ppl_modes and self.ppl_lengths:
             if self.stride > min(self.ppl_lengths):
-                raise EvaluationError(f"stride {self.stride} is longer than the shortest window {min(self.ppl_lengths)}.")
+                raise EvaluationError(
+                    f"stride {self.stride} is longer than the shortest window {min(self.ppl_lengths)}."
+                )
             if self.sliding_tokens is not None and self.sliding_tokens < max(self.ppl_lengths):
                 raise EvaluationError(
                     f"sliding_tokens={self.sliding_tokens} is shorter than the longest window {max(self.ppl_lengths)}; "
@@ -374,23 +382,20 @@ def _run_case(model: nn.Module, tokenizer, plan: EvalPlan, spec: dict[str, Any],
         if spec["mode"] == "buckets":
             result = bucket_perplexity(model, [document], spec["context_length"], bucket_size=spec["bucket_size"],
                                        chunk_size=plan.chunk_size)  # fmt: skip
-            return {"buckets": [list(bucket) for bucket in result.bucket_ppls()], "ppl": _safe_exp(result.nll),
+            return {"buckets": [list(bucket) for bucket in result.bucket_ppls()], "ppl": result.ppl,
                     "nll": result.nll, "tokens": result.tokens, "windows": 1}  # fmt: skip
         result = sliding_window_perplexity(
             model, [document], spec["context_length"], stride=spec["stride"], max_tokens=spec["eval_tokens"],
             bos_token_id=getattr(tokenizer, "bos_token_id", None), chunk_size=plan.chunk_size,
         )
-        return {"buckets": None, "ppl": _safe_exp(result.nll), "nll": result.nll, "tokens": result.tokens,
+        return {"buckets": None, "ppl": result.ppl, "nll": result.nll, "tokens": result.tokens,
                 "windows": result.windows}  # fmt: skip
     result = retrieval_accuracy(
         model, tokenizer, spec["task"], spec["length"], spec["depth"], trials=spec["trials"], seed=spec["seed"],
         needle_count=spec["needle_count"] or plan.needle_count, max_new_tokens=spec["max_new_tokens"],
     )
-    return {"correct": result.correct, "accuracy": result.accuracy, "answers": result.answers, "outputs": result.outputs}
-
-
-def _safe_exp(value: float) -> float:
-    return math.exp(value) if value < 700 else float("inf")
+    return {"correct": result.correct, "accuracy": result.accuracy, "answers": result.answers,
+            "outputs": result.outputs}  # fmt: skip
 
 
 def check_documents(plan: EvalPlan, documents: Mapping[str, torch.Tensor]) -> None:
@@ -442,7 +447,8 @@ def run_evaluation(
               for method, scale in plan.configurations()]  # fmt: skip
     planned = [case for _, _, cases in groups for case in cases]
     pending = sum(case.key not in store for case in planned)
-    logger.info("%d cases planned, %d already in %s, %d to run.", len(planned), len(planned) - pending, store.path, pending)
+    logger.info("%d cases planned, %d already in %s, %d to run.", len(planned), len(planned) - pending, store.path,
+                pending)  # fmt: skip
     bar = tqdm(total=pending, desc="evaluation", unit="case", disable=not progress or pending == 0)
     try:
         for method, scale, cases in groups:
@@ -460,7 +466,8 @@ def run_evaluation(
                     if source is not None:
                         results = {key: value for key, value in source.items() if key not in record}
                         results["seconds"] = 0.0
-                        results["reused_from"] = source.get("reused_from") or {"method": source["method"], "scale": source["scale"]}
+                        origin = source.get("reused_from") or {"method": source["method"], "scale": source["scale"]}
+                        results["reused_from"] = origin
                         logger.info("%s: same rotary frequencies as %s x%s; numbers reused.", case.label,
                                     source["method"], source["scale"])  # fmt: skip
                     else:

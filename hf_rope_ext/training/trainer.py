@@ -131,6 +131,11 @@ class FinetuneConfig:
             raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
         if self.lr_scheduler not in SCHEDULERS:
             raise ValueError(f"--lr_scheduler must be one of {sorted(SCHEDULERS)}, got {self.lr_scheduler!r}.")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"--max_grad_norm must be >= 0 (0 turns clipping off), got {self.max_grad_norm}.")
+        if self.dataset_limit is not None and self.dataset_limit < 1:
+            raise ValueError(f"--dataset_limit must be a positive number of rows, got {self.dataset_limit}.")
+        self.lora_settings().validate()
         if self.window is not None and self.window < 2:
             raise ValueError(f"--window must be at least 2 tokens, got {self.window}.")
         get_method(self.method)  # raises with the list of methods
@@ -394,12 +399,29 @@ class _Progress:
     losses: list[float] = field(default_factory=list)
 
 
+def _launched_processes() -> int:
+    """How many processes the launcher started (torchrun or MPI), as accelerate counts them."""
+    for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    # `accelerate launch --cpu --num_processes N` (N > 1) without MPI starts ONE plain process;
+    # its only trace is the rendezvous address it sets. Refuse rather than train alone.
+    cpu_launch = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if cpu_launch and os.environ.get("MASTER_ADDR"):
+        raise ValueError(
+            "`accelerate launch --cpu --num_processes N` started a single process (accelerate needs MPI for that). "
+            "For several CPU processes use `accelerate launch --multi_gpu --num_processes N ...` or "
+            "`--config_file examples/accelerate_configs/ddp.yaml`: without CUDA they train over gloo."
+        )
+    return 1
+
+
 def _make_accelerator(config: FinetuneConfig):
     """``(accelerator, bf16, sharded)``; refuses launches this recipe cannot run correctly."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = _launched_processes()
     # Several processes on a machine without CUDA (torchrun, `accelerate launch --multi_gpu`):
     # accelerate forms a gloo process group only when told to use the CPU. Mixed precision is
     # this run's own autocast rather than accelerate's process-wide setting, so runs in one
@@ -469,8 +491,9 @@ def _train_step(accelerator, model, windows: PackedWindows, step_indices: list[i
         offset = (micro_step * world + rank) * micro
         batch = {key: value.to(accelerator.device) for key, value in windows.batch(step_indices[offset : offset + micro]).items()}
         sync = contextlib.nullcontext() if micro_step == accumulation - 1 else accelerator.no_sync(model)
-        with sync, torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = model(**batch, num_items_in_batch=label_tokens).loss
+        with sync:
+            with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = model(**batch, num_items_in_batch=label_tokens).loss
             accelerator.backward(loss * world)
         loss_share += loss.detach()
     return loss_share
@@ -480,8 +503,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     """Run the whole recipe (see the module docstring); returns the training summary
     (an empty dict on processes other than the main one).
 
-    Every input error is raised before the model is loaded, except those that need the
-    model's config (lengths), which are raised before training.
+    Bad input (settings, lengths, text, the output folder) is refused before the model is
+    loaded; a resumed run that differs from its checkpoint, before the first step.
     """
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoTokenizer, get_scheduler
