@@ -34,7 +34,7 @@ except ImportError as error:  # pragma: no cover - only on unsupported versions
     ) from error
 
 from transformers.modeling_rope_utils import (  # noqa: E402
-    ROPE_INIT_FUNCTIONS,  # the registry transformers reads
+    ROPE_INIT_FUNCTIONS,  # noqa: F401  (the registry transformers reads; config_io adds our types to it)
     RotaryEmbeddingConfigMixin,
 )
 

@@ -22,7 +22,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 from . import config_io
 from .config_io import RecordedPatch
+from .files import atomic_path, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -460,21 +460,11 @@ def write_model_card(card: Any, output: str | os.PathLike, plots: Iterable[str |
         destination = output.parent / plot.name
         if destination.resolve() == plot.resolve():
             continue
-        _atomic_write(destination, lambda path, plot=plot: shutil.copyfile(plot, path))
+        with atomic_path(destination) as temporary:
+            shutil.copyfile(plot, temporary)
     text = str(card) if str(card).endswith("\n") else f"{card}\n"
-    _atomic_write(output, lambda path: Path(path).write_text(text))
+    atomic_write_text(output, text)
     return output
-
-
-def _atomic_write(destination: Path, write) -> None:
-    handle, temporary = tempfile.mkstemp(prefix=f".{destination.name}.", dir=destination.parent)
-    os.close(handle)
-    try:
-        write(temporary)
-        os.replace(temporary, destination)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
 
 
 # ----------------------------------------------------------------------------------------------

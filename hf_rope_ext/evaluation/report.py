@@ -24,14 +24,13 @@ import io
 import json
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .perplexity import safe_exp
-from .runner import atomic_write_text, read_results
+from ..files import atomic_path, atomic_write_text
+from .runner import read_results
 
 logger = logging.getLogger(__name__)
 
@@ -304,15 +303,8 @@ def _save_figure(figure, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(figure)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            figure.savefig(file, format="png", dpi=120)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+    with atomic_path(path) as temporary:
+        figure.savefig(temporary, format="png", dpi=120)
 
 
 def _scales_for_plot(rows: Sequence[Mapping[str, Any]]) -> list[float | None]:

@@ -42,7 +42,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from .. import list_methods, patch_model, unpatch_model
 from ..rotary import ExtendedRotaryEmbedding
 from .perplexity import DEFAULT_CHUNK_SIZE, bucket_perplexity, sliding_window_perplexity
 from .retrieval import TASKS, retrieval_accuracy
+from ..files import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -98,21 +98,6 @@ def _data_key(record: Mapping[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------------
 # Results file
 # ----------------------------------------------------------------------------------------------
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
 
 
 class ResultStore:

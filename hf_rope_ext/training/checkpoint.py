@@ -23,13 +23,13 @@ import os
 import random
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from ..files import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -47,23 +47,6 @@ _NAME = re.compile(r"^step-(\d+)$")
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:07d}"
-
-
-def atomic_write_json(path: str | Path, data: Any) -> None:
-    """Write JSON to a temporary file in the same folder, then rename it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2, sort_keys=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
