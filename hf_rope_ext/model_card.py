@@ -443,7 +443,7 @@ def render_model_card(
         bucket_rows=bucket_rows,
         retrieval_rows=_retrieval_table(records),
         plots=[plot.name for plot in plots],
-        training_rows=_training_rows(summary) if summary else [],
+        training_rows=_training_rows({**summary, "base_model": base_model}) if summary else [],
         version=__version__,
     ), plots
 

@@ -17,7 +17,8 @@ from transformers import (
 ORIGINAL_CONTEXT = 32  # max_position_embeddings of the tiny models
 VOCAB = 128
 
-_COMMON = dict(
+# Sizes of every tiny model (the four families below and the other families tested by type)
+TINY_SHAPE = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=128,
@@ -25,6 +26,9 @@ _COMMON = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=ORIGINAL_CONTEXT,
+)
+_COMMON = dict(
+    **TINY_SHAPE,
     tie_word_embeddings=False,
     pad_token_id=0,
     bos_token_id=1,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import ORIGINAL_CONTEXT, make_model, native_twin, random_ids, strengthen_weights
+from conftest import ORIGINAL_CONTEXT, TINY_SHAPE, make_model, native_twin, random_ids, strengthen_weights
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import hf_rope_ext
@@ -330,23 +330,10 @@ OTHER_FAMILIES = {
 
 @pytest.mark.parametrize("model_type", list(OTHER_FAMILIES))
 def test_other_families_match_native_yarn(model_type):
-    from transformers import AutoConfig
-
     from hf_rope_ext.families import FAMILIES
 
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=L0,
-        **OTHER_FAMILIES[model_type],
-    )
     torch.manual_seed(0)
-    model = strengthen_weights(AutoModelForCausalLM.from_config(config, attn_implementation="eager")).eval()
+    model = strengthen_weights(_tiny(model_type, **OTHER_FAMILIES[model_type]))
     twin = native_twin(model, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L0}, 4 * L0)
     ids = random_ids(3 * L0)
     with torch.no_grad():
@@ -359,10 +346,7 @@ def test_other_families_match_native_yarn(model_type):
 def _tiny(model_type, **extra):
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(
-        model_type, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=L0, **extra,
-    )
+    config = AutoConfig.for_model(model_type, **TINY_SHAPE, **extra)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
 
 
