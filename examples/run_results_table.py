@@ -17,11 +17,11 @@ forwards: one takes about 4-6 minutes; resumable: rerun the same command after a
     python examples/run_results_table.py --text_file ../shared/data/books/pg84.txt \\
         --output_dir outputs/results_table
 
-A quick slice (4 minutes on an idle 2-core CPU)::
+A quick slice (4-5 minutes on an idle 2-core CPU)::
 
     python examples/run_results_table.py --text_file ../shared/data/books/pg84.txt \\
-        --output_dir outputs/results_table_slice --methods none,yarn,dynamic-yarn --scales 2 \\
-        --ppl_lengths 4096,8192,10240 --retrieval_lengths ""
+        --output_dir outputs/results_table_slice_final --methods none,yarn,dynamic-yarn --scales 2 \\
+        --ppl_lengths 4096,8192,12288 --retrieval_lengths ""
 
 Note: at exactly 2x and 4x the native context, dynamic-yarn uses the frequencies of yarn at
 scale 2 and 4 (its scale is length / native context), so those cells are equal by construction;
