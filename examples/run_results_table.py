@@ -32,9 +32,9 @@ Prints the table in markdown and writes every report of ``hf-rope-ext eval`` und
 
 from __future__ import annotations
 
-import logging
 import argparse
 import json
+import logging
 from pathlib import Path
 
 from hf_rope_ext import DEFAULT_METHOD

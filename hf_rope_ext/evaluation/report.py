@@ -28,8 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .perplexity import safe_exp
 from ..files import atomic_path, atomic_write_text
+from .perplexity import safe_exp
 from .runner import read_results
 
 logger = logging.getLogger(__name__)

@@ -53,10 +53,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import list_methods, patch_model, unpatch_model
+from ..files import atomic_write_text
 from ..rotary import ExtendedRotaryEmbedding
 from .perplexity import DEFAULT_CHUNK_SIZE, bucket_perplexity, sliding_window_perplexity
 from .retrieval import TASKS, retrieval_accuracy
-from ..files import atomic_write_text
 
 logger = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
 from ..files import atomic_write_json
 
 logger = logging.getLogger(__name__)
