@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser
 
 from hf_rope_ext.evaluation import EvalPlan, run_evaluation
-from hf_rope_ext.evaluation.runner import documents_from_files
+from hf_rope_ext.evaluation.runner import documents_from_files, parse_steps_per_doubling
 from hf_rope_ext.loading import SMOLLM2_ALIASES, SMOLLM2_HUB_ID, load_model
+from hf_rope_ext.patching import DEFAULT_STEPS_PER_DOUBLING
 
 
 def _split(text: str, kind=str) -> list:
@@ -46,6 +47,8 @@ class Arguments:
     depths: str = field(default="0.1,0.5,0.9", metadata={"help": "key depths"})
     trials: int = field(default=1, metadata={"help": "prompts per length and depth"})
     seed: int = field(default=0, metadata={"help": "seed of the random keys"})
+    steps_per_doubling: str = field(default=str(DEFAULT_STEPS_PER_DOUBLING),
+                                    metadata={"help": "frequency steps of length-dependent methods, or 'exact'"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: cuda if available)"})
     dtype: str = field(default="fp32", metadata={"help": "fp32, bf16 or fp16"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"})
@@ -65,6 +68,7 @@ def main() -> None:
         depths=_split(args.depths, float),
         trials=args.trials,
         seed=args.seed,
+        steps_per_doubling=parse_steps_per_doubling(args.steps_per_doubling),
     )
     plan.validate(None)  # fail on bad input before loading the model
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,

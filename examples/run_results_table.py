@@ -40,8 +40,9 @@ from pathlib import Path
 from hf_rope_ext import DEFAULT_METHOD
 from hf_rope_ext.evaluation import EvalPlan, run_evaluation
 from hf_rope_ext.evaluation.report import comparison_table, state_label
-from hf_rope_ext.evaluation.runner import documents_from_files
+from hf_rope_ext.evaluation.runner import documents_from_files, parse_steps_per_doubling, recorded_steps
 from hf_rope_ext.loading import SMOLLM2_ALIASES, SMOLLM2_HUB_ID, load_model
+from hf_rope_ext.patching import DEFAULT_STEPS_PER_DOUBLING
 
 
 def _ints(text: str) -> list[int]:
@@ -60,6 +61,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--trials", type=int, default=1, help="passkeys per length and depth")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps_per_doubling", type=parse_steps_per_doubling, default=DEFAULT_STEPS_PER_DOUBLING,
+                        help="frequency steps of the length-dependent methods, or 'exact' (default: the package's)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--attn_implementation", default="sdpa")
@@ -93,7 +96,8 @@ def goal_checks(summary: dict, native: int) -> list[str]:
             if l == length and method != "none":
                 change = row["ppl"] / baseline["ppl"] - 1
                 mark = "within" if abs(change) <= 0.005 else "OUTSIDE"
-                lines.append(f"At {length} tokens: {state_label(method, scale)} {row['ppl']:.3f} vs unpatched "
+                label = state_label(method, scale, row["steps_per_doubling"])
+                lines.append(f"At {length} tokens: {label} {row['ppl']:.3f} vs unpatched "
                              f"{baseline['ppl']:.3f} ({change:+.2%}, {mark} 0.5%).")  # fmt: skip
     return lines
 
@@ -111,6 +115,7 @@ def main() -> None:
         depths=[float(d) for d in args.depths.split(",") if d],
         trials=args.trials,
         seed=args.seed,
+        steps_per_doubling=args.steps_per_doubling,
     )
     plan.validate(None)  # fail on bad input before loading the model
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
@@ -120,6 +125,10 @@ def main() -> None:
     name = SMOLLM2_HUB_ID if args.model.lower() in SMOLLM2_ALIASES else args.model
     run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=name, dtype=args.dtype)
     summary = json.loads((args.output_dir / "summary.json").read_text(encoding="utf-8"))
+    # The folder may also hold results of other frequency steps: keep this run's.
+    for kind in ("perplexity", "retrieval"):
+        summary[kind] = [row for row in summary[kind]
+                         if row.get("steps_per_doubling") == recorded_steps(row["method"], args.steps_per_doubling)]
     retrieval = f", passkey retrieved / tried (depths {args.depths})" if args.retrieval_lengths else ""
     print(f"\n{name}, {args.dtype}, document {args.text_file.name}: perplexity of the first L tokens "
           f"(one forward){retrieval}.\n")  # fmt: skip

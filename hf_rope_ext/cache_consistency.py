@@ -9,9 +9,9 @@ keys and values are outputs of attention that ran with the old frequencies.
 
 The exact fix: when the frequencies change, recompute the cached states over the whole sequence
 with the new frequencies (a prefill of the tokens seen so far). Frequencies change only when the
-rounded length (``steps_per_doubling`` steps per doubling) does, so this happens a few times per
-doubling of the length; between those points the cache is reused as usual and every step's
-logits equal those of a full forward over the same tokens.
+rounded length (``steps_per_doubling`` steps per doubling, one by default) does, so by default
+this happens once per doubling of the length; between those points the cache is reused as usual
+and every step's logits equal those of a full forward over the same tokens.
 
 Mechanism: two forward hooks on the module that calls the rotary embedding (the base model).
 The pre-hook keeps a log of the inputs and position ids written to each cache (on the cache

@@ -126,11 +126,27 @@ def _value(value: Any) -> str:
     return _number(value)
 
 
+def _method_of(record: Mapping[str, Any]) -> str:
+    """The method of an evaluation record, with its frequency steps where they are not the default."""
+    method = record.get("method")
+    if not isinstance(method, str):
+        return _MISSING
+    from .evaluation.report import method_label  # the evaluation reports' own labels
+
+    return method_label(method, record.get("steps_per_doubling"))
+
+
 def _same_patch(record: Mapping[str, Any], patch: RecordedPatch) -> bool:
+    """Evaluated with this checkpoint's patch: method, scale and, for length-dependent methods,
+    frequency steps (a record without them cannot be attributed to this checkpoint)."""
     scale = record.get("scale")
-    return record.get("method") == patch.method.name and isinstance(scale, (int, float)) and math.isclose(
+    same = record.get("method") == patch.method.name and isinstance(scale, (int, float)) and math.isclose(
         float(scale), patch.scale
     )
+    if same and patch.method.length_dependent:
+        expected = "exact" if patch.steps_per_doubling is None else patch.steps_per_doubling
+        same = record.get("steps_per_doubling") == expected
+    return same
 
 
 def _perplexity_tables(records: list[dict[str, Any]]) -> tuple[list[dict], list[str], list[dict]]:
@@ -143,7 +159,7 @@ def _perplexity_tables(records: list[dict[str, Any]]) -> tuple[list[dict], list[
             logger.warning("Skipping a perplexity result without ppl or buckets: %s", record)
             continue
         common = {
-            "method": record.get("method", _MISSING),
+            "method": _method_of(record),
             "scale": _scale(record.get("scale")),
             "document": record.get("document", _MISSING),
             "context": _number(record.get("context_length")),
@@ -182,7 +198,7 @@ def _retrieval_table(records: list[dict[str, Any]]) -> list[dict]:
     for record in records:
         if record.get("kind") != "retrieval":
             continue
-        method = str(record.get("method", _MISSING))
+        method = _method_of(record)
         key = (record.get("task", _MISSING), method, record.get("scale"), record.get("length"))
         group = groups[key]
         if isinstance(record.get("correct"), int) and isinstance(record.get("trials"), int):

@@ -28,9 +28,11 @@ from .rotary import ExtendedRotaryEmbedding
 logger = logging.getLogger(__name__)
 
 DEFAULT_METHOD = "dynamic-yarn"
-# Length-dependent methods change frequencies only at L0 * 2 ** (k / 4): four times per doubling
-# of the length. With a KV cache each change costs one recomputation of the cached states.
-DEFAULT_STEPS_PER_DOUBLING = 4
+# Length-dependent methods change frequencies only at L0 * 2 ** (k / n). With a KV cache each
+# change recomputes the cached states (a prefill of the whole sequence), so n = 1 (once per
+# doubling) keeps generation within a few percent of transformers' inexact `dynamic`; larger n
+# follows the length more closely for one-shot forwards (README, "Speed").
+DEFAULT_STEPS_PER_DOUBLING = 1
 
 _UNSET: Any = object()  # "argument not given", where None is a meaningful value
 
@@ -212,9 +214,10 @@ def patch_model(
             ``config.max_position_embeddings``.
         steps_per_doubling: length-dependent methods only: beyond the original context ``L0``
             the length is rounded up to the next ``L0 * 2 ** (k / steps_per_doubling)`` before
-            frequencies are computed (default 4). Each change of the rounded length during
-            generation recomputes the cached states once. ``None`` follows the length token by
-            token, as transformers' ``dynamic`` does (exact but slow with a KV cache).
+            frequencies are computed (default 1: the next power of two times ``L0``). Each
+            change of the rounded length during generation recomputes the cached states once.
+            ``None`` follows the length token by token, as transformers' ``dynamic`` does
+            (exact, but with a KV cache every generated token recomputes the whole sequence).
         **params: the method's own parameters (e.g. ``beta_fast=32`` for yarn).
 
     The model's config is updated to describe the patch (see :mod:`hf_rope_ext.config_io`).

@@ -372,10 +372,10 @@ def test_identical_cases_are_reused_and_equal_a_fresh_computation(tmp_path):
     reused = {(r["method"], r["scale"], r["context_length"]): r["reused_from"] for r in records}
     # Inside the native context (24 <= 32) dynamic-yarn is the original model. At 64 = 2 x 32 tokens
     # its scale is 64 / 32 = 2 whatever the configured scale: static yarn at scale 2.
-    assert reused[("dynamic-yarn", 2.0, 24)] == {"method": "none", "scale": None}
-    assert reused[("dynamic-yarn", 4.0, 24)] == {"method": "none", "scale": None}
-    assert reused[("dynamic-yarn", 2.0, 64)] == {"method": "yarn", "scale": 2.0}
-    assert reused[("dynamic-yarn", 4.0, 64)] == {"method": "yarn", "scale": 2.0}
+    unpatched = {"method": "none", "scale": None, "steps_per_doubling": None}
+    yarn_x2 = {"method": "yarn", "scale": 2.0, "steps_per_doubling": None}
+    assert reused[("dynamic-yarn", 2.0, 24)] == unpatched and reused[("dynamic-yarn", 4.0, 24)] == unpatched
+    assert reused[("dynamic-yarn", 2.0, 64)] == yarn_x2 and reused[("dynamic-yarn", 4.0, 64)] == yarn_x2
     assert reused[("yarn", 4.0, 64)] is None and reused[("yarn", 2.0, 24)] is None
     assert counter.calls == 2 + 2 + 4  # head check; none at two lengths, yarn x2 and x4 at two lengths
 
@@ -383,6 +383,52 @@ def test_identical_cases_are_reused_and_equal_a_fresh_computation(tmp_path):
                            documents=documents, progress=False)  # fmt: skip
     key = lambda r: (r["method"], r["scale"], r["context_length"])  # noqa: E731
     assert {key(r): r["ppl"] for r in records} == {key(r): r["ppl"] for r in fresh}
+
+
+def test_frequency_steps_are_part_of_a_case(tmp_path):
+    """Results of one frequency grid are never taken for another's, nor old records without one."""
+    documents = {"doc": random_ids(80)[0]}
+    model = make_model("llama")
+    plan = lambda steps: _plan(methods=["dynamic-yarn"], scales=[2.0], ppl_lengths=[48],  # noqa: E731
+                               steps_per_doubling=steps)  # fmt: skip
+    counter = CallCounter(model)
+    fine = run_evaluation(model, CharTokenizer(), plan(4), tmp_path, documents=documents, progress=False)
+    assert fine[0]["steps_per_doubling"] == 4
+    calls = counter.calls
+    default = run_evaluation(model, CharTokenizer(), plan(1), tmp_path, documents=documents, progress=False)
+    assert counter.calls == calls + 1  # computed, not taken from the 4-step record
+    assert default[0]["steps_per_doubling"] == 1 and default[0]["reused_from"] is None
+    # 48 tokens past a native 32: the 1-step grid uses the frequencies of 64 tokens, the 4-step grid those of 54.
+    reference = make_model("llama")
+    expected = {}
+    for steps in (1, 4):
+        patch_model(reference, scale=2.0, method="dynamic-yarn", steps_per_doubling=steps)
+        with torch.no_grad():
+            logits = reference(documents["doc"][None, :48]).logits[0, :-1].double()
+        unpatch_model(reference)
+        expected[steps] = math.exp(torch.nn.functional.cross_entropy(logits, documents["doc"][1:48]).item())
+    assert expected[1] != pytest.approx(expected[4], rel=1e-6)
+    assert default[0]["ppl"] == pytest.approx(expected[1], rel=1e-5)
+    assert fine[0]["ppl"] == pytest.approx(expected[4], rel=1e-5)
+    markdown = (tmp_path / "results.md").read_text()
+    assert "dynamic-yarn x2" in markdown and "dynamic-yarn (4 steps/doubling) x2" in markdown
+
+    # A record written before steps were recorded does not count as done for a length-dependent method.
+    results = tmp_path / "results.jsonl"
+    old = [json.loads(line) for line in results.read_text().splitlines()]
+    for record in old:
+        record.pop("steps_per_doubling")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.jsonl").write_text("".join(json.dumps(record) + "\n" for record in old[:1]))
+    counter.calls = 0
+    run_evaluation(model, CharTokenizer(), plan(4), tmp_path / "old", documents=documents, progress=False,
+                   write_report=False)  # fmt: skip
+    records = read_results(tmp_path / "old")
+    assert len(records) == 2 and records[1]["steps_per_doubling"] == 4
+    assert records[1]["ppl"] == pytest.approx(expected[4], rel=1e-5)
+
+    with pytest.raises(EvaluationError, match="steps_per_doubling"):
+        run_evaluation(model, CharTokenizer(), plan(0), tmp_path, documents=documents, progress=False)
 
 
 def test_runner_retrieval_cases_record_the_schema(tmp_path):
@@ -605,3 +651,14 @@ def test_real_model_loss_beyond_native_context_unpatched_vs_patched():
           f"{DEFAULT_METHOD} x2 {patched_far:.2f} ({time.perf_counter() - started:.1f} s)")  # fmt: skip
     assert none_far > 10 * patched_far  # the unpatched model breaks down beyond its context
     assert patched_far < 1.5 * near  # the patched one stays close to its in-context loss
+
+
+def test_steps_per_doubling_on_the_command_line():
+    from hf_rope_ext.evaluation.runner import parse_steps_per_doubling
+
+    assert parse_steps_per_doubling("exact") is None and parse_steps_per_doubling("4") == 4
+    for bad in ("0", "-2", "two", "1.5"):
+        with pytest.raises(ValueError, match="positive integer or 'exact'"):
+            parse_steps_per_doubling(bad)
+    with pytest.raises(SystemExit):
+        cli_main(["eval", "--methods", "dynamic", "--steps-per-doubling", "0", "--output-dir", "unused"])

@@ -75,6 +75,34 @@ def test_token_exact_dynamic_generation_matches_full_forward(method):
     assert generation_vs_full_forward(model, random_ids(L0 - 4), new_tokens=L0) < TOLERANCE
 
 
+@pytest.mark.parametrize("steps_per_doubling", [2, 4])
+def test_finer_frequency_steps_generation_matches_full_forward(steps_per_doubling):
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn", steps_per_doubling=steps_per_doubling)
+    assert generation_vs_full_forward(model, random_ids(L0 - 4), new_tokens=2 * L0) < TOLERANCE
+
+
+@pytest.mark.parametrize("steps_per_doubling, expected", [(None, 2), (1, 2), (2, 4), (4, 8)])
+def test_cached_states_are_recomputed_once_per_frequency_step(steps_per_doubling, expected):
+    """Generating from L0 - 4 to 4 L0 tokens crosses the grid L0 * 2 ** (k / n) at k = 0 .. 2n - 1.
+
+    Each crossing re-runs the decoder over the whole sequence once (a call of more than one
+    token); every other step runs one token. None means the default (one step per doubling).
+    """
+    model = make_model("llama")
+    extra = {} if steps_per_doubling is None else {"steps_per_doubling": steps_per_doubling}
+    patch_model(model, scale=4, method="dynamic", **extra)
+    lengths = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+    prompt = random_ids(L0 - 4)
+    new_tokens = 3 * L0 + 4
+    model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    hook.remove()
+    assert lengths[0] == L0 - 4  # the prefill
+    assert lengths[1:].count(1) == new_tokens - 1 - expected
+    assert sum(length > 1 for length in lengths[1:]) == expected
+
+
 def test_transformers_dynamic_does_not_match_but_ours_does():
     """transformers issue 25104: its dynamic type keeps stale rotations in the cache."""
     model = make_model("llama")

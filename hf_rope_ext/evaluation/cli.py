@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ..patching import DEFAULT_METHOD
-from .runner import EvalPlan, EvaluationError
+from ..patching import DEFAULT_METHOD, DEFAULT_STEPS_PER_DOUBLING
+from .runner import EvalPlan, EvaluationError, parse_steps_per_doubling
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,13 @@ def _float_list(text: str) -> list[float]:
         return [float(item) for item in text.split(",") if item.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers (e.g. 2,4), got {text!r}") from None
+
+
+def _steps(text: str) -> int | None:
+    try:
+        return parse_steps_per_doubling(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _name_list(text: str) -> list[str]:
@@ -104,6 +111,9 @@ def add_parser(subparsers) -> None:
     group.add_argument("--max-new-tokens", type=int, default=8)
     group.add_argument("--seed", type=int, default=0, help="seed of the random keys")
     group.add_argument("--chunk-size", type=int, default=1024, help="positions per LM-head call in the loss")
+    group.add_argument("--steps-per-doubling", type=_steps, default=DEFAULT_STEPS_PER_DOUBLING,
+                       help="frequency steps per doubling of the length for length-dependent methods, or 'exact' "
+                            f"(default {DEFAULT_STEPS_PER_DOUBLING}; see patch_model)")
     group.add_argument("--no-reuse", action="store_true",
                        help="compute every case, even when a finished case used the same rotary frequencies")
     group.add_argument("--report-only", action="store_true", help="only regenerate the reports from results.jsonl")
@@ -229,7 +239,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         bucket_size=args.bucket_size, stride=args.stride, sliding_tokens=args.sliding_tokens,
         retrieval_tasks=args.retrieval_tasks, retrieval_lengths=args.retrieval_lengths, depths=args.depths,
         trials=args.trials, needle_count=args.needle_count, max_new_tokens=args.max_new_tokens, seed=args.seed,
-        chunk_size=args.chunk_size, reuse_identical=not args.no_reuse,
+        chunk_size=args.chunk_size, reuse_identical=not args.no_reuse, steps_per_doubling=args.steps_per_doubling,
     )  # fmt: skip
     plan.validate(None)
     if plan.required_document_tokens() and not (args.text_file or args.dataset):

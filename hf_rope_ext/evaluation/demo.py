@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..patching import DEFAULT_METHOD
-from .report import bucket_token_count, pool_log_ppl, state_label
-from .runner import NONE_METHOD, EvalPlan
+from .report import bucket_token_count, pool_log_ppl, record_state, state_label
+from .runner import NONE_METHOD, EvalPlan, recorded_steps
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,9 @@ def table_ranges(native_context: int, length: int) -> list[tuple[int, int]]:
 
 def demo_table(records: Sequence[Mapping[str, Any]], settings: DemoSettings, native_context: int) -> str:
     """Markdown table: unpatched against patched."""
-    states = [(NONE_METHOD, None), (settings.method, settings.scale)]
-    by_state = {state: [r for r in records if (r["method"], r.get("scale")) == state] for state in states}
+    patched = (settings.method, settings.scale, recorded_steps(settings.method, demo_plan(settings).steps_per_doubling))
+    states = [(NONE_METHOD, None, None), patched]
+    by_state = {state: [r for r in records if record_state(r) == state] for state in states}
     rows = []
     for start, end in table_ranges(native_context, settings.ppl_length):
         cells = []

@@ -8,11 +8,11 @@ all depths.
 ``summary.json``::
 
     {"models": [...], "native_context": 8192,
-     "perplexity": [{"mode", "method", "scale", "model", "dtype", "context_length", "stride",
+     "perplexity": [{"mode", "method", "scale", "steps_per_doubling", "model", "dtype", "context_length", "stride",
                      "eval_tokens", "bucket_size", "documents": [...], "ppl", "nll", "tokens",
                      "ranges": [[start, end, ppl], ...]  # buckets pooled to 0, L0/4, L0/2, L0, 2 L0, ...
                      "beyond_native_ppl": ppl of positions [L0, L) or null}, ...],
-     "retrieval": [{"task", "method", "scale", "model", "dtype", "length", "trials", "correct",
+     "retrieval": [{"task", "method", "scale", "steps_per_doubling", "model", "dtype", "length", "trials", "correct",
                     "accuracy", "by_depth": {"0.1": accuracy, ...}}, ...]}
 """
 
@@ -29,15 +29,18 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_path, atomic_write_text
+from ..methods import get_method, list_methods
+from ..patching import DEFAULT_STEPS_PER_DOUBLING
 from .perplexity import safe_exp
-from .runner import read_results
+from .runner import EXACT_STEPS, NONE_METHOD, read_results
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["summarize", "write_reports", "markdown_report"]
 
 CSV_FIELDS = (
-    "kind", "mode", "task", "method", "scale", "model", "dtype", "document", "context_length", "length", "depth",
+    "kind", "mode", "task", "method", "scale", "steps_per_doubling", "model", "dtype", "document", "context_length",
+    "length", "depth",
     "stride", "eval_tokens", "bucket_size", "ppl", "nll", "tokens", "windows", "trials", "correct", "accuracy",
     "seconds", "reused_from", "buckets",
 )  # fmt: skip
@@ -81,12 +84,23 @@ def pooled_ranges(buckets: Sequence[Sequence[float]], edges: Sequence[int]) -> l
     return pooled
 
 
-def _state(record: Mapping[str, Any]) -> tuple[str, float | None]:
-    return record["method"], record.get("scale")
+def record_state(record: Mapping[str, Any]) -> tuple[str, float | None, int | str | None]:
+    return record["method"], record.get("scale"), record.get("steps_per_doubling")
 
 
-def state_label(method: str, scale: float | None) -> str:
-    return method if scale is None else f"{method} x{scale:g}"
+def method_label(method: str, steps: int | str | None = None) -> str:
+    """The method name, with its frequency steps where they are not the package default."""
+    if steps is None:
+        dynamic = method != NONE_METHOD and method in list_methods() and get_method(method).length_dependent
+        return f"{method} (steps unrecorded)" if dynamic else method
+    if steps == EXACT_STEPS:
+        return f"{method} (exact length)"
+    return method if steps == DEFAULT_STEPS_PER_DOUBLING else f"{method} ({steps} steps/doubling)"
+
+
+def state_label(method: str, scale: float | None, steps: int | str | None = None) -> str:
+    label = method_label(method, steps)
+    return label if scale is None else f"{label} x{scale:g}"
 
 
 def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -96,22 +110,24 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     natives = {record.get("native_context") for record in records if record.get("native_context")}
     for record in records:
         if record["kind"] == "perplexity":
-            key = tuple(record.get(name) for name in ("mode", "method", "scale", "model", "dtype", "context_length",
-                                                      "stride", "eval_tokens", "bucket_size"))  # fmt: skip
+            key = tuple(record.get(name) for name in ("mode", "method", "scale", "steps_per_doubling", "model", "dtype",
+                                                      "context_length", "stride", "eval_tokens",
+                                                      "bucket_size"))  # fmt: skip
             entry = perplexity.setdefault(key, {"parts": [], "buckets": {}})
             entry["parts"].append(record)
         elif record["kind"] == "retrieval":
-            key = tuple(record.get(name) for name in ("task", "method", "scale", "model", "dtype", "length", "seed",
-                                                      "needle_count", "max_new_tokens"))  # fmt: skip
+            key = tuple(record.get(name) for name in ("task", "method", "scale", "steps_per_doubling", "model", "dtype",
+                                                      "length", "seed", "needle_count", "max_new_tokens"))  # fmt: skip
             retrieval.setdefault(key, {"parts": []})["parts"].append(record)
 
     ppl_rows = []
     for key, entry in perplexity.items():
         parts = entry["parts"]
-        mode, method, scale, model, dtype, length, stride, eval_tokens, bucket_size = key
+        mode, method, scale, steps, model, dtype, length, stride, eval_tokens, bucket_size = key
         tokens = sum(part["tokens"] for part in parts)
         nll = sum(part["nll"] * part["tokens"] for part in parts) / max(tokens, 1)
-        row = {"mode": mode, "method": method, "scale": scale, "model": model, "dtype": dtype,
+        row = {"mode": mode, "method": method, "scale": scale, "steps_per_doubling": steps, "model": model,
+               "dtype": dtype,
                "context_length": length, "stride": stride, "eval_tokens": eval_tokens, "bucket_size": bucket_size,
                "documents": [part.get("document") for part in parts], "ppl": safe_exp(nll),
                "nll": nll, "tokens": tokens, "ranges": None, "beyond_native_ppl": None}  # fmt: skip
@@ -131,14 +147,15 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     retrieval_rows = []
     for key, entry in retrieval.items():
-        task, method, scale, model, dtype, length, seed, needle_count, max_new_tokens = key
+        task, method, scale, steps, model, dtype, length, seed, needle_count, max_new_tokens = key
         parts = entry["parts"]
         trials = sum(part["trials"] for part in parts)
         correct = sum(part["correct"] for part in parts)
         by_depth = {}
         for part in sorted(parts, key=lambda part: part["depth"]):
             by_depth[f"{part['depth']:g}"] = part["correct"] / part["trials"]
-        retrieval_rows.append({"task": task, "method": method, "scale": scale, "model": model, "dtype": dtype,
+        retrieval_rows.append({"task": task, "method": method, "scale": scale, "steps_per_doubling": steps,
+                               "model": model, "dtype": dtype,
                                "length": length, "seed": seed, "needle_count": needle_count, "trials": trials,
                                "correct": correct, "accuracy": correct / trials if trials else float("nan"),
                                "by_depth": by_depth})  # fmt: skip
@@ -156,13 +173,15 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _states_in_order(rows: Iterable[Mapping[str, Any]]) -> list[tuple[str, float | None]]:
-    seen: dict[tuple[str, float | None], None] = {}
+def _states_in_order(rows: Iterable[Mapping[str, Any]]) -> list[tuple[str, float | None, int | str | None]]:
+    seen: dict[tuple[str, float | None, int | str | None], None] = {}
     for row in rows:
-        seen.setdefault(_state(row), None)
-    # The unpatched model first, then by method order of appearance and scale.
-    order = {method: index for index, (method, _) in enumerate(seen)}
-    return sorted(seen, key=lambda state: (state[0] != "none", order[state[0]], state[1] or 0))
+        seen.setdefault(record_state(row), None)
+    # The unpatched model first, then by method order of appearance, steps and scale.
+    order: dict[str, int] = {}
+    for method, _, _ in seen:
+        order.setdefault(method, len(order))
+    return sorted(seen, key=lambda state: (state[0] != "none", order[state[0]], str(state[2]), state[1] or 0))
 
 
 def _format_ppl(value: float | None) -> str:
@@ -197,7 +216,7 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
             if not rows:
                 continue
             lengths = sorted({row["context_length"] for row in rows})
-            cell = {(_state(row), row["context_length"]): row for row in rows}
+            cell = {(record_state(row), row["context_length"]): row for row in rows}
             documents = sorted({doc for row in rows for doc in row["documents"]})
             if mode == "buckets":
                 parts.append(f"### Perplexity of the first L tokens (one forward; documents: {', '.join(documents)})\n")
@@ -238,7 +257,7 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
         for task in sorted({row["task"] for row in retrieval_rows}):
             rows = [row for row in retrieval_rows if row["task"] == task]
             lengths = sorted({row["length"] for row in rows})
-            cell = {(_state(row), row["length"]): row for row in rows}
+            cell = {(record_state(row), row["length"]): row for row in rows}
             depths = sorted({depth for row in rows for depth in row["by_depth"]}, key=float)
             extra = f", {rows[0]['needle_count']} keys per prompt" if task == "needle" else ""
             parts.append(f"### {task} retrieval accuracy (depths {', '.join(depths)}{extra})\n")
@@ -264,14 +283,14 @@ def comparison_table(summary: Mapping[str, Any], *, task: str = "passkey") -> st
     ppl_lengths = sorted({row["context_length"] for row in ppl_rows})
     beyond_lengths = [length for length in ppl_lengths if native and length > native]
     retrieval_lengths = sorted({row["length"] for row in retrieval_rows})
-    ppl = {(_state(row), row["context_length"]): row for row in ppl_rows}
-    found = {(_state(row), row["length"]): row for row in retrieval_rows}
+    ppl = {(record_state(row), row["context_length"]): row for row in ppl_rows}
+    found = {(record_state(row), row["length"]): row for row in retrieval_rows}
     header = ["method", "scale"] + [f"ppl {_tokens_label(length)}" for length in ppl_lengths]
     header += [f"ppl beyond {_tokens_label(native)} at {_tokens_label(length)}" for length in beyond_lengths]
     header += [f"{task} {_tokens_label(length)}" for length in retrieval_lengths]
     table = []
     for state in _states_in_order(ppl_rows + retrieval_rows):
-        cells = [state[0], "" if state[1] is None else f"{state[1]:g}"]
+        cells = [method_label(state[0], state[2]), "" if state[1] is None else f"{state[1]:g}"]
         cells += [_format_ppl(ppl[(state, length)]["ppl"]) if (state, length) in ppl else "" for length in ppl_lengths]
         cells += [_format_ppl(ppl[(state, length)]["beyond_native_ppl"]) if (state, length) in ppl else ""
                   for length in beyond_lengths]  # fmt: skip
@@ -288,7 +307,8 @@ def csv_report(records: Sequence[Mapping[str, Any]]) -> str:
     for record in records:
         row = dict(record)
         reused = record.get("reused_from")
-        row["reused_from"] = state_label(reused["method"], reused.get("scale")) if reused else ""
+        row["reused_from"] = (state_label(reused["method"], reused.get("scale"), reused.get("steps_per_doubling"))
+                              if reused else "")  # fmt: skip
         row["buckets"] = json.dumps(record["buckets"]) if record.get("buckets") else ""
         writer.writerow(row)
     return buffer.getvalue()
@@ -328,7 +348,7 @@ def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
             for state in _states_in_order(rows):
                 if state[1] not in (None, scale):
                     continue
-                mine = [row for row in rows if _state(row) == state]
+                mine = [row for row in rows if record_state(row) == state]
                 longest = max(mine, key=lambda row: row["context_length"])
                 xs = [(start + end) / 2 for start, end, _ in longest["buckets"]]
                 ys = [ppl for _, _, ppl in longest["buckets"]]
@@ -357,7 +377,7 @@ def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
                 for state in _states_in_order(mode_rows):
                     if state[1] not in (None, scale):
                         continue
-                    mine = sorted((row for row in mode_rows if _state(row) == state),
+                    mine = sorted((row for row in mode_rows if record_state(row) == state),
                                   key=lambda row: row["context_length"])  # fmt: skip
                     axes.plot([row["context_length"] for row in mine], [row["ppl"] for row in mine], marker="o",
                               label=state_label(*state))  # fmt: skip
@@ -398,7 +418,7 @@ def plot_retrieval(records: Sequence[Mapping[str, Any]], output_dir: Path) -> li
             grid = [[math.nan] * len(lengths) for _ in depths]
             labels = [[""] * len(lengths) for _ in depths]
             for row in task_rows:
-                if _state(row) == state:
+                if record_state(row) == state:
                     i, j = depths.index(row["depth"]), lengths.index(row["length"])
                     grid[i][j] = row["correct"] / row["trials"]
                     labels[i][j] = f"{row['correct']}/{row['trials']}"

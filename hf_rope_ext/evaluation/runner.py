@@ -8,6 +8,7 @@ the fields listed in :data:`IDENTITY_FIELDS` for its kind; everything else is a 
 Schema (``scale`` is ``null`` for ``method: "none"``, the unpatched model)::
 
     {"kind": "perplexity", "mode": "buckets" | "sliding", "method": "yarn", "scale": 4.0,
+     "steps_per_doubling": null,       # length-dependent methods: n of the patch, or "exact"
      "model": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "fp32", "document": "pg84",
      "context_length": 16384,          # L: tokens per forward (window length for "sliding")
      "stride": null | 256,             # S, sliding mode only
@@ -16,15 +17,20 @@ Schema (``scale`` is ``null`` for ``method: "none"``, the unpatched model)::
      "buckets": [[0, 2048, 13.1], ...] | null,   # [start, end, ppl] per position bucket
      "ppl": 11.2, "nll": 2.416, "tokens": 16383, "windows": 1,
      "native_context": 8192, "rope_fingerprint": "...", "seconds": 151.2,
-     "reused_from": null | {"method": "none", "scale": null}}
+     "reused_from": null | {"method": "none", "scale": null, "steps_per_doubling": null}}
 
     {"kind": "retrieval", "task": "passkey" | "needle", "method": "yarn", "scale": 4.0,
-     "model": "...", "dtype": "fp32",
+     "steps_per_doubling": null, "model": "...", "dtype": "fp32",
      "length": 16384,                  # prompt + answer budget: prompts have length - max_new_tokens tokens
      "depth": 0.5, "trials": 5, "seed": 0,
      "needle_count": null | 4, "max_new_tokens": 8,
      "correct": 4, "accuracy": 0.8, "answers": ["12345", ...], "outputs": [" 12345. The", ...],
      "native_context": 8192, "rope_fingerprint": "...", "seconds": 402.0, "reused_from": null}
+
+``steps_per_doubling`` is part of a case's identity: results of one frequency grid of the
+length-dependent methods are never taken for another's. A record without the field (written
+before it was recorded) matches no case of a length-dependent method; its numbers can still be
+reused through its RoPE fingerprint.
 
 Definitions of the numbers: :mod:`hf_rope_ext.evaluation.perplexity` and
 :mod:`hf_rope_ext.evaluation.retrieval`.
@@ -52,8 +58,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import list_methods, patch_model, unpatch_model
+from .. import get_method, list_methods, patch_model, unpatch_model
 from ..files import atomic_write_text
+from ..patching import DEFAULT_STEPS_PER_DOUBLING
 from ..rotary import ExtendedRotaryEmbedding
 from .perplexity import DEFAULT_CHUNK_SIZE, bucket_perplexity, sliding_window_perplexity
 from .retrieval import TASKS, retrieval_accuracy
@@ -67,13 +74,39 @@ NONE_METHOD = "none"
 PPL_MODES = ("buckets", "sliding")
 
 IDENTITY_FIELDS = {
-    "perplexity": ("kind", "mode", "method", "scale", "model", "dtype", "document", "context_length", "stride",
-                   "eval_tokens", "bucket_size"),
-    "retrieval": ("kind", "task", "method", "scale", "model", "dtype", "length", "depth", "trials", "seed",
-                  "needle_count", "max_new_tokens"),
+    "perplexity": ("kind", "mode", "method", "scale", "steps_per_doubling", "model", "dtype", "document",
+                   "context_length", "stride", "eval_tokens", "bucket_size"),
+    "retrieval": ("kind", "task", "method", "scale", "steps_per_doubling", "model", "dtype", "length", "depth",
+                  "trials", "seed", "needle_count", "max_new_tokens"),
 }  # fmt: skip
 # Fields that say which model state produced a case; the rest must match for a reuse.
-_STATE_FIELDS = ("method", "scale")
+_STATE_FIELDS = ("method", "scale", "steps_per_doubling")
+EXACT_STEPS = "exact"  # steps_per_doubling=None in patch_model: frequencies of the exact length
+
+
+def recorded_steps(method: str, steps_per_doubling: int | None) -> int | str | None:
+    """The ``steps_per_doubling`` field of a record: the patch's ``n`` for length-dependent
+    methods (``"exact"`` for None), None for static methods and the unpatched model.
+
+    Part of a case's identity, so that results of one frequency grid are never taken for
+    another's (records written before the field existed have it missing, so never match).
+    """
+    if method == NONE_METHOD or not get_method(method).length_dependent:
+        return None
+    return EXACT_STEPS if steps_per_doubling is None else int(steps_per_doubling)
+
+
+def parse_steps_per_doubling(text: str) -> int | None:
+    """Command-line form of ``steps_per_doubling``: a positive integer, or ``exact`` (None)."""
+    if text.strip().lower() == EXACT_STEPS:
+        return None
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise ValueError(f"steps per doubling must be a positive integer or '{EXACT_STEPS}', got {text!r}.")
+    return steps
 
 
 class EvaluationError(ValueError):
@@ -179,6 +212,8 @@ class EvalPlan:
         chunk_size: positions per LM-head call in the loss.
         reuse_identical: copy a case's numbers from a finished case with the same rotary
             frequencies instead of computing them again.
+        steps_per_doubling: passed to :func:`hf_rope_ext.patch_model` for length-dependent
+            methods (None: the exact length); recorded with every case.
     """
 
     methods: list[str]
@@ -197,6 +232,7 @@ class EvalPlan:
     seed: int = 0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     reuse_identical: bool = True
+    steps_per_doubling: int | None = DEFAULT_STEPS_PER_DOUBLING
 
     def configurations(self) -> list[tuple[str, float | None]]:
         """``(method, scale)`` pairs in run order: ``none`` first (scale ``None``)."""
@@ -222,6 +258,11 @@ class EvalPlan:
             raise EvaluationError(
                 f"Unknown method(s) {', '.join(map(repr, unknown))}. Known: {NONE_METHOD} (the unpatched model), "
                 f"{', '.join(known)}."
+            )
+        steps = self.steps_per_doubling
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise EvaluationError(
+                f"steps_per_doubling must be a positive integer or None (exact length), got {steps!r}."
             )
         if len(set(self.methods)) != len(self.methods):
             raise EvaluationError(f"A method is listed twice in {self.methods}.")
@@ -327,8 +368,11 @@ class _Case:
 def _cases(plan: EvalPlan, method: str, scale: float | None, model_name: str, dtype: str,
            documents: Mapping[str, torch.Tensor], native_context: int) -> list[_Case]:
     cases = []
-    common = {"method": method, "scale": scale, "model": model_name, "dtype": dtype}
+    steps = recorded_steps(method, plan.steps_per_doubling)
+    common = {"method": method, "scale": scale, "steps_per_doubling": steps, "model": model_name, "dtype": dtype}
     state = method if scale is None else f"{method} x{scale:g}"
+    if steps is not None:
+        state += f" [steps_per_doubling={steps}]" if steps != EXACT_STEPS else " [exact length]"
     bucket_size = plan.bucket_size or max(native_context // 4, 1)
     for mode in plan.ppl_modes if plan.ppl_lengths else []:
         for length in plan.ppl_lengths:
@@ -441,7 +485,8 @@ def run_evaluation(
             if not todo:
                 continue
             if method != NONE_METHOD:
-                patch_model(model, scale, method, original_max_length=native_context)
+                extra = {"steps_per_doubling": plan.steps_per_doubling} if get_method(method).length_dependent else {}
+                patch_model(model, scale, method, original_max_length=native_context, **extra)
             try:
                 for case in todo:
                     bar.set_postfix_str(case.label)
@@ -451,7 +496,7 @@ def run_evaluation(
                     if source is not None:
                         results = {key: value for key, value in source.items() if key not in record}
                         results["seconds"] = 0.0
-                        origin = source.get("reused_from") or {"method": source["method"], "scale": source["scale"]}
+                        origin = source.get("reused_from") or {name: source.get(name) for name in _STATE_FIELDS}
                         results["reused_from"] = origin
                         logger.info("%s: same rotary frequencies as %s x%s; numbers reused.", case.label,
                                     source["method"], source["scale"])  # fmt: skip
