@@ -144,8 +144,9 @@ def _same_patch(record: Mapping[str, Any], patch: RecordedPatch) -> bool:
         float(scale), patch.scale
     )
     if same and patch.method.length_dependent:
-        expected = "exact" if patch.steps_per_doubling is None else patch.steps_per_doubling
-        same = record.get("steps_per_doubling") == expected
+        from .evaluation.runner import recorded_steps
+
+        same = record.get("steps_per_doubling") == recorded_steps(patch.method.name, patch.steps_per_doubling)
     return same
 
 

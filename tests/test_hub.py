@@ -31,6 +31,7 @@ from hf_rope_ext.hub import (
 )
 from hf_rope_ext.methods import default_inv_freq
 from hf_rope_ext.model_card import render_model_card, write_model_card
+from hf_rope_ext.patching import DEFAULT_STEPS_PER_DOUBLING
 
 L0 = ORIGINAL_CONTEXT
 LONG_FACTOR = [1.0 + 0.5 * i for i in range(8)]  # head_dim 16 -> 8 frequencies
@@ -634,6 +635,28 @@ def test_model_card_from_results(tmp_path):
         assert value in text
     assert "from_pretrained(\"me/tiny-yarn\")" in text and "--max-model-len 128" in text
     assert "--rope-scaling yarn --rope-scale 4" in text
+
+
+def test_model_card_of_a_length_dependent_patch_takes_only_its_own_frequency_steps(tmp_path):
+    model = make_model("llama")
+    _patch(model, "dynamic-yarn")  # the default steps_per_doubling
+    folder = save_patched(model, tmp_path / "ckpt")
+    common = {"kind": "perplexity", "mode": "buckets", "method": "dynamic-yarn", "scale": 4.0, "document": "d",
+              "context_length": 96, "stride": None}  # fmt: skip
+    results = [
+        {**common, "steps_per_doubling": DEFAULT_STEPS_PER_DOUBLING, "ppl": 11.111},
+        {**common, "steps_per_doubling": DEFAULT_STEPS_PER_DOUBLING + 3, "ppl": 22.222},  # another grid
+        {**common, "ppl": 33.333},  # steps not recorded
+    ]
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    card, _ = render_model_card(AutoConfig.from_pretrained(folder), base_model="org/tiny-base", eval_dir=eval_dir)
+    metrics = [r.metric_value for r in card.data.eval_results if r.metric_type == "perplexity"]
+    assert metrics == [11.111]
+    text = str(card)  # the full table keeps every record, labelled with its steps
+    assert f"dynamic-yarn ({DEFAULT_STEPS_PER_DOUBLING + 3} steps/doubling) | 4 |" in text and "22.22" in text
+    assert "dynamic-yarn (steps unrecorded) | 4 |" in text and "33.33" in text
 
 
 def test_model_card_inputs_are_checked(tmp_path):
