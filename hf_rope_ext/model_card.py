@@ -29,6 +29,8 @@ from typing import Any
 
 from . import config_io
 from .config_io import RecordedPatch
+from .evaluation.report import method_label
+from .evaluation.runner import recorded_steps
 from .files import atomic_path, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -131,8 +133,6 @@ def _method_of(record: Mapping[str, Any]) -> str:
     method = record.get("method")
     if not isinstance(method, str):
         return _MISSING
-    from .evaluation.report import method_label  # the evaluation reports' own labels
-
     return method_label(method, record.get("steps_per_doubling"))
 
 
@@ -144,8 +144,6 @@ def _same_patch(record: Mapping[str, Any], patch: RecordedPatch) -> bool:
         float(scale), patch.scale
     )
     if same and patch.method.length_dependent:
-        from .evaluation.runner import recorded_steps
-
         same = record.get("steps_per_doubling") == recorded_steps(patch.method.name, patch.steps_per_doubling)
     return same
 

@@ -389,8 +389,10 @@ def test_frequency_steps_are_part_of_a_case(tmp_path):
     """Results of one frequency grid are never taken for another's, nor old records without one."""
     documents = {"doc": random_ids(80)[0]}
     model = make_model("llama")
-    plan = lambda steps: _plan(methods=["dynamic-yarn"], scales=[2.0], ppl_lengths=[48],  # noqa: E731
-                               steps_per_doubling=steps)  # fmt: skip
+
+    def plan(steps):
+        return _plan(methods=["dynamic-yarn"], scales=[2.0], ppl_lengths=[48], steps_per_doubling=steps)
+
     counter = CallCounter(model)
     fine = run_evaluation(model, CharTokenizer(), plan(4), tmp_path, documents=documents, progress=False)
     assert fine[0]["steps_per_doubling"] == 4
