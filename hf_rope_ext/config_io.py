@@ -195,6 +195,7 @@ class RecordedPatch:
     params: dict[str, Any]  # the method's own parameters, defaults filled in
     steps_per_doubling: int | None = None
     kept: dict[str, Any] = field(default_factory=dict)  # original rope keys the patch keeps
+    logn_attention: bool = False
 
     @property
     def extended_context(self) -> int:
@@ -319,7 +320,10 @@ def verify_record(config: Any) -> RecordedPatch | None:
     elif steps is not None:
         raise _record_error(config, f"has steps_per_doubling={steps!r}, but {method.name!r} is a static method.")
 
-    recorded = RecordedPatch(method, float(scale), original, float(base), rotary_dim, params, steps, kept)
+    logn = record.get("logn_attention", False)
+    if not isinstance(logn, bool):
+        raise _record_error(config, f"has logn_attention={logn!r}; it must be true or false.")
+    recorded = RecordedPatch(method, float(scale), original, float(base), rotary_dim, params, steps, kept, logn)
     expected_rope, expected_max_positions = rope_config_for(method, recorded.resolved_params(), base, rotary_dim, kept)
     problems = _differences(expected_rope, rope)
     if config.max_position_embeddings != expected_max_positions:

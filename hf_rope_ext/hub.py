@@ -298,6 +298,7 @@ def restore_patch(model: nn.Module) -> nn.Module:
             recorded.scale,
             recorded.method.name,
             original_max_length=recorded.original_max_position_embeddings,
+            logn_attention=recorded.logn_attention,
             **options,
             **recorded.params,
         )
@@ -521,13 +522,58 @@ def runtime_settings(
     gives the closest static setting and explains the difference (``"approximate"``).
     """
     patch, found_type = _patch_of(source, method, scale, dict(patch_kwargs))
+    if patch.method.attention is not None:
+        vllm, llama_cpp = _attention_level_commands(patch, model_type or found_type)
+    else:
+        vllm, llama_cpp = _vllm_command(patch), _llama_cpp_command(patch, model_type or found_type)
+    if patch.logn_attention:
+        vllm, llama_cpp = _without_logn(vllm), _without_logn(llama_cpp)
     return RuntimeSettings(
-        method=patch.method.name,
+        method=patch.method.name + ("+logn" if patch.logn_attention else ""),
         scale=patch.scale,
         original_context=patch.original_max_position_embeddings,
         extended_context=patch.extended_context,
-        vllm=_vllm_command(patch),
-        llama_cpp=_llama_cpp_command(patch, model_type or found_type),
+        vllm=vllm,
+        llama_cpp=llama_cpp,
+    )
+
+
+def _without_logn(command: RuntimeCommand) -> RuntimeCommand:
+    """Log-n attention has no setting in either runtime: the rest of the patch is what they run."""
+    note = (
+        "log-n attention (logits x max(1, ln(i + 1) / ln(L0)) beyond the original context) has no setting here; "
+        "these settings run the patch without it."
+    )
+    status = "approximate" if command.status == "exact" else command.status
+    return RuntimeCommand(command.runtime, status, command.args, command.settings, (*command.notes, note))
+
+
+def _attention_level_commands(patch: RecordedPatch, model_type: str | None) -> tuple[RuntimeCommand, RuntimeCommand]:
+    """Attention-level methods remap positions inside attention, which neither runtime's RoPE settings express."""
+    name = patch.method.name
+    vllm_notes = [
+        f"vLLM has no {name} attention for this architecture (its dual-chunk attention backend is tied to Qwen2 "
+        "models with dual_chunk_attention_config); serve the base model within its original context, or use a "
+        "frequency method (yarn)."
+    ]
+    llama_notes = [f"llama.cpp has no {name} attention setting for converted checkpoints."]
+    args: tuple[str, ...] = ()
+    status = "unsupported"
+    if name == "self-extend":
+        remap = patch.method.attention(patch.resolved_params())
+        # llama.cpp's grouped attention: the same idea (group factor n, neighbour width w), applied by
+        # shifting cached positions block by block; w must be a multiple of n there.
+        width = max(remap.group_size, (remap.neighbor_window // remap.group_size) * remap.group_size)
+        args = ("--grp-attn-n", str(remap.group_size), "--grp-attn-w", str(width), "--ctx-size", str(patch.extended_context))
+        status = "approximate"
+        llama_notes = [
+            "llama-cli's grouped attention (Self-Extend) takes a group factor and a width that must be a multiple of "
+            f"it ({width} here, the patch uses a neighbour window of {remap.neighbor_window}); it regroups cached "
+            "positions block by block during generation instead of per query, so outputs differ in detail."
+        ]
+    return (
+        RuntimeCommand("vllm", "unsupported", notes=tuple(vllm_notes)),
+        RuntimeCommand("llama.cpp", status, args, {}, tuple(llama_notes)),
     )
 
 

@@ -42,6 +42,9 @@ __all__ = [
 
 ComputeFn = Callable[[int, float, Mapping[str, Any], "int | None"], "tuple[torch.Tensor, float]"]
 
+# Method-name suffix that adds log-n attention (hf_rope_ext.attention.logn_factor) to any method.
+LOGN_SUFFIX = "+logn"
+
 # Keys every method receives; users pass them through `scale=` / `max_length=` / `original_max_length=`.
 COMMON_PARAMS = ("factor", "original_max_position_embeddings")
 
@@ -56,12 +59,17 @@ class RopeMethod:
         defaults: the method's own parameters and their defaults. A default of ``None`` means
             "derived from the other parameters"; :data:`REQUIRED` means the user must give it.
         length_dependent: the frequencies depend on the current length (dynamic methods). Such
-            methods keep the KV cache consistent by re-rotating cached keys when the frequencies
-            change.
+            methods keep the KV cache consistent by recomputing the cached states when the
+            frequencies change (:mod:`hf_rope_ext.cache_consistency`).
         transformers_rope_type: the ``rope_type`` transformers implements natively with the same
             frequencies, or ``None``. ``"default"`` means "plain RoPE with another ``rope_theta``".
         summary: one line for ``list_methods()`` and the README table.
         validate: optional check of the resolved parameters; raises ``ValueError``.
+        attention: for attention-level methods, a function from the resolved parameters (with
+            ``factor`` and ``original_max_position_embeddings``) to a
+            :class:`hf_rope_ext.attention.PositionRemap`; it raises ``ValueError`` for bad values.
+            Such methods keep (or set) the frequencies with ``compute`` and remap relative
+            positions inside attention (see :mod:`hf_rope_ext.attention`).
     """
 
     name: str
@@ -71,6 +79,7 @@ class RopeMethod:
     transformers_rope_type: str | None = None
     summary: str = ""
     validate: Callable[[int, Mapping[str, Any]], None] | None = None
+    attention: Callable[[Mapping[str, Any]], Any] | None = None
 
 
 class _Required:
@@ -222,6 +231,15 @@ def dynamic_yarn_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any
     return _yarn_inv_freq(rotary_dim, base, scale, params), float(attention_factor)
 
 
+def original_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """The trained frequencies, unchanged: ``theta'_i = theta_i``, attention factor 1.
+
+    The frequencies of the attention-level methods (``self-extend``, ``dual-chunk``), which
+    keep every trained rotation and remap relative positions inside attention instead.
+    """
+    return default_inv_freq(rotary_dim, base), 1.0
+
+
 def dynamic_linear_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
     """Dynamic linear interpolation (emozilla, 2023).
 
@@ -352,13 +370,15 @@ def register_method(
     summary: str = "",
     validate: Callable[[int, Mapping[str, Any]], None] | None = None,
     transformers_rope_type: str | None = None,
+    attention: Callable[[Mapping[str, Any]], Any] | None = None,
 ) -> RopeMethod:
     """Register a user-defined RoPE scaling method under ``name``.
 
     ``compute(rotary_dim, base, params, seq_len) -> (inv_freq, attention_factor)`` must be a pure
     function; ``params`` holds ``factor``, ``original_max_position_embeddings`` and the keys of
     ``defaults``. Set ``length_dependent=True`` if it reads ``seq_len``; the patched model then
-    recomputes frequencies as the input grows and keeps the KV cache consistent.
+    recomputes frequencies as the input grows and keeps the KV cache consistent. ``attention``
+    makes it an attention-level method (see :class:`RopeMethod`).
 
     Raises ``ValueError`` if the name is taken (call :func:`unregister_method` first to replace
     a user method; built-in methods cannot be replaced).
@@ -382,6 +402,7 @@ def register_method(
         transformers_rope_type=transformers_rope_type,
         summary=summary or _first_line(compute.__doc__),
         validate=validate,
+        attention=attention,
     )
     _REGISTRY[name] = method
     return method
@@ -409,9 +430,15 @@ def is_builtin(name: str) -> bool:
 
 
 def get_method(name: str) -> RopeMethod:
-    """Look up a method; an unknown name raises ``ValueError`` listing the valid ones."""
+    """Look up a method; an unknown name raises ``ValueError`` listing the valid ones.
+
+    A ``+logn`` suffix (log-n attention on top of the method, see ``patch_model``) names the
+    same method: ``get_method("yarn+logn") is get_method("yarn")``.
+    """
     if not isinstance(name, str):
         raise TypeError(f"method must be a string, got {type(name).__name__}; valid methods: {sorted(_REGISTRY)}.")
+    if name.endswith(LOGN_SUFFIX) and name != LOGN_SUFFIX:
+        name = name[: -len(LOGN_SUFFIX)]
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -450,7 +477,13 @@ def resolve_params(method: RopeMethod, rotary_dim: int, user_params: Mapping[str
 
 
 # Keyword arguments of patch_model, for "did you mean" hints on misspelled parameters.
-_PATCH_KEYWORDS = ("scale", "max_length", "original_max_length", "method", "steps_per_doubling")
+_PATCH_KEYWORDS = ("scale", "max_length", "original_max_length", "method", "steps_per_doubling", "logn_attention")
+
+
+def _attention():
+    from . import attention  # imports transformers' attention registries; only needed when patching
+
+    return attention
 
 
 def _register_builtin(method: RopeMethod) -> None:
@@ -516,6 +549,20 @@ for _method in (
         transformers_rope_type="longrope",
         summary="LongRoPE with given per-dimension factors (long beyond L0, short inside).",
         validate=_check_longrope,
+    ),
+    RopeMethod(
+        "self-extend",
+        original_inv_freq,
+        defaults={"group_size": None, "neighbor_window": None},
+        summary="Self-Extend: trained positions within a neighbour window, grouped (floor(p/G)) positions beyond.",
+        attention=lambda params: _attention().self_extend_remap(params),
+    ),
+    RopeMethod(
+        "dual-chunk",
+        original_inv_freq,
+        defaults={"chunk_size": None, "local_window": None},
+        summary="Dual Chunk Attention: intra-, successive- and inter-chunk positions, all within the trained context.",
+        attention=lambda params: _attention().dual_chunk_remap(params),
     ),
 ):
     _register_builtin(_method)

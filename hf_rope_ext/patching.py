@@ -21,7 +21,7 @@ from torch import nn
 
 from . import compat, config_io
 from .families import family_info, tested_families
-from .methods import default_inv_freq, get_method, resolve_params
+from .methods import LOGN_SUFFIX, default_inv_freq, get_method, resolve_params
 from .cache_consistency import CacheGuard
 from .rotary import ExtendedRotaryEmbedding
 
@@ -52,6 +52,7 @@ class PatchInfo:
     params: dict[str, Any] = field(default_factory=dict)
     steps_per_doubling: int | None = None
     module_name: str = ""
+    logn_attention: bool = False
 
 
 def _model_type(model: nn.Module) -> str:
@@ -187,6 +188,20 @@ def _verify_layout(module: nn.Module, rotary_dim: int, base: float, model_type: 
         )
 
 
+def split_method_spec(method: Any, logn_attention: Any = False) -> tuple[Any, bool]:
+    """``"yarn+logn"`` -> ``("yarn", True)``: the method name and whether log-n attention is on."""
+    if not isinstance(logn_attention, bool):
+        raise TypeError(f"logn_attention must be True or False, got {logn_attention!r}.")
+    if isinstance(method, str) and method.endswith(LOGN_SUFFIX):
+        return method[: -len(LOGN_SUFFIX)], True
+    return method, logn_attention
+
+
+def method_spec(method: str, logn_attention: bool) -> str:
+    """The inverse of :func:`split_method_spec`."""
+    return method + LOGN_SUFFIX if logn_attention else method
+
+
 def _caller_and_attribute(model: nn.Module, module_name: str) -> tuple[nn.Module, str]:
     parent_name, _, attribute = module_name.rpartition(".")
     return (model.get_submodule(parent_name) if parent_name else model), attribute
@@ -200,6 +215,7 @@ def patch_model(
     max_length: int | None = None,
     original_max_length: int | None = None,
     steps_per_doubling: Any = _UNSET,
+    logn_attention: bool = False,
     **params: Any,
 ) -> nn.Module:
     """Extend the context of a loaded RoPE model in place; returns the same model.
@@ -218,7 +234,12 @@ def patch_model(
             change of the rounded length during generation recomputes the cached states once.
             ``None`` follows the length token by token, as transformers' ``dynamic`` does
             (exact, but with a KV cache every generated token recomputes the whole sequence).
-        **params: the method's own parameters (e.g. ``beta_fast=32`` for yarn).
+        logn_attention: multiply the attention logits of the query at position ``i`` by
+            ``max(1, ln(i + 1) / ln(L0))`` (log-n attention temperature), with any method.
+            Also spelled as a ``+logn`` suffix of the method name (``"self-extend+logn"``).
+        **params: the method's own parameters (e.g. ``beta_fast=32`` for yarn; ``group_size``
+            and ``neighbor_window`` for self-extend; ``chunk_size`` and ``local_window`` for
+            dual-chunk).
 
     The model's config is updated to describe the patch (see :mod:`hf_rope_ext.config_io`).
     Patching an already patched model starts again from the original: scales never compound.
@@ -246,10 +267,12 @@ def patch_model(
 
     original_length = _original_length(config, original_max_length)
     scale = _resolve_scale(scale, max_length, original_length)
+    method, logn_attention = split_method_spec(method, logn_attention)
     rope_method = get_method(method)
     resolved = resolve_params(rope_method, rotary_dim, params)
     resolved["factor"] = scale
     resolved["original_max_position_embeddings"] = original_length
+    remap = rope_method.attention(resolved) if rope_method.attention is not None else None
     if rope_method.length_dependent:
         if steps_per_doubling is _UNSET:
             steps_per_doubling = DEFAULT_STEPS_PER_DOUBLING
@@ -263,7 +286,8 @@ def patch_model(
     rotary = ExtendedRotaryEmbedding(original, rope_method, resolved, rotary_dim, base, steps_per_doubling)
     extended = int(math.ceil(original_length * scale))
     inv_freq, attention = rotary.frequencies(extended)
-    if torch.allclose(inv_freq, default_inv_freq(rotary_dim, base), rtol=1e-9, atol=0) and attention == 1.0:
+    unchanged = torch.allclose(inv_freq, default_inv_freq(rotary_dim, base), rtol=1e-9, atol=0) and attention == 1.0
+    if unchanged and remap is None and not logn_attention:
         raise ValueError(
             f"method {method!r} with {params or 'default parameters'} leaves the frequencies unchanged at "
             f"{extended} tokens: the patch would do nothing. Check the method's parameters."
@@ -273,12 +297,21 @@ def patch_model(
     new_rope, max_positions = config_io.rope_config_for(rope_method, resolved, base, rotary_dim, kept)
     rotary._saved_config = compat.snapshot_config(config, (config_io.RECORD_ATTRIBUTE,))
     compat.write_rope_config(config, new_rope, max_positions)
-    setattr(config, config_io.RECORD_ATTRIBUTE, config_io.patch_record(rope_method, resolved, base, steps_per_doubling))
+    record = config_io.patch_record(rope_method, resolved, base, steps_per_doubling)
+    if logn_attention:
+        record["logn_attention"] = True
+    setattr(config, config_io.RECORD_ATTRIBUTE, record)
 
     caller, attribute = _caller_and_attribute(model, module_name)
     try:
         rotary.cache_guard = CacheGuard(caller, rotary) if rope_method.length_dependent else None
+        if remap is not None or logn_attention:
+            from . import attention as attention_level
+
+            rotary.attention_patch = attention_level.install(config, remap, inv_freq, original_length, logn_attention)
     except Exception:
+        if rotary.cache_guard is not None:
+            rotary.cache_guard.remove()
         compat.restore_config(config, rotary._saved_config)
         raise
     setattr(caller, attribute, rotary)
@@ -302,6 +335,10 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     for module_name, rotary in patched:
         if rotary.cache_guard is not None:
             rotary.cache_guard.remove()
+        if rotary.attention_patch is not None:
+            from . import attention as attention_level
+
+            attention_level.uninstall(rotary.attention_patch)
         original = rotary.original_rotary
         compat.restore_config(rotary.config if rotary.config is not None else model.config, rotary._saved_config)
         caller, attribute = _caller_and_attribute(model, module_name)
@@ -325,6 +362,7 @@ def get_patch_info(model: nn.Module) -> PatchInfo | None:
         params=params,
         steps_per_doubling=rotary.steps_per_doubling,
         module_name=module_name,
+        logn_attention=rotary.attention_patch is not None and rotary.attention_patch.logn,
     )
 
 
@@ -347,5 +385,6 @@ def patched(model: nn.Module, scale: float | None = None, method: str = DEFAULT_
                 steps_per_doubling=(
                     previous.steps_per_doubling if get_method(previous.method).length_dependent else _UNSET
                 ),
+                logn_attention=previous.logn_attention,
                 **previous.params,
             )

@@ -142,6 +142,8 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.config = getattr(original, "config", None)
         self.rope_type = method.name
         self._frequencies: dict[int | None, _Frequencies] = {}
+        self.cache_guard = None  # set by patch_model for length-dependent methods
+        self.attention_patch = None  # set by patch_model for attention-level methods and log-n attention
 
         initial = self._frequencies_for_length(None)
         inv_freq, exact = initial.tensors(original.inv_freq.device)
@@ -219,6 +221,10 @@ class ExtendedRotaryEmbedding(nn.Module):
             attention_factor = freqs.attention_factor
             self._current, self.attention_scaling = freqs, attention_factor
         else:
+            if self.method.attention is not None and int(position_ids.max()) < self.original_max_seq_len:
+                # Attention-level methods keep the trained frequencies: inside the original context
+                # the original module gives the unpatched model's outputs bitwise.
+                return self.original_rotary(x, position_ids)
             inv_freq, exact = self.inv_freq.to(x.device), self.inv_freq_exact.to(x.device)
             attention_factor = self.attention_scaling
         angles = angles_for(position_ids.to(x.device), inv_freq, exact)

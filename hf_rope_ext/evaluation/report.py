@@ -91,11 +91,19 @@ def record_state(record: Mapping[str, Any]) -> tuple[str, float | None, int | st
 def method_label(method: str, steps: int | str | None = None) -> str:
     """The method name, with its frequency steps where they are not the package default."""
     if steps is None:
-        dynamic = method != NONE_METHOD and method in list_methods() and get_method(method).length_dependent
+        dynamic = method != NONE_METHOD and _known(method) and get_method(method).length_dependent
         return f"{method} (steps unrecorded)" if dynamic else method
     if steps == EXACT_STEPS:
         return f"{method} (exact length)"
     return method if steps == DEFAULT_STEPS_PER_DOUBLING else f"{method} ({steps} steps/doubling)"
+
+
+def _known(method: str) -> bool:
+    try:
+        get_method(method)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def state_label(method: str, scale: float | None, steps: int | str | None = None) -> str:

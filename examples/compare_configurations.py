@@ -1,0 +1,120 @@
+"""Perplexity by position range for method configurations with their own parameters, one forward each.
+
+`hf-rope-ext eval` takes method names; this script takes full configurations (method, scale and
+the method's parameters), so parameter sweeps and the results table of the attention-level
+methods come from one place. Each configuration is one forward over the first `--length`
+tokens of the text; its loss is pooled over position ranges and appended to
+`<output_dir>/results.jsonl` as soon as it is done (rerunning skips finished configurations).
+The wall time of each forward is recorded, so speed ratios against `none` come from the same run.
+
+    python examples/compare_configurations.py --model smollm2 --text_file ../shared/data/books/pg84.txt \\
+        --length 16384 --scale 2 --output_dir outputs/attention_sweep \\
+        --configs "none;yarn;self-extend:neighbor_window=2048;dual-chunk;self-extend+logn:neighbor_window=2048"
+
+A configuration is `method[:key=value,...]`; values are parsed as JSON (numbers, true/false, null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from hf_rope_ext import patch_model, unpatch_model
+from hf_rope_ext.data import read_text, tokenize
+from hf_rope_ext.evaluation.perplexity import bucket_perplexity
+from hf_rope_ext.files import atomic_write_text
+from hf_rope_ext.loading import load_model
+
+logger = logging.getLogger("compare_configurations")
+
+
+def parse_configuration(text: str) -> tuple[str, dict]:
+    method, _, rest = text.strip().partition(":")
+    params = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"error: configuration {text!r}: parameter {item!r} is not key=value")
+        try:
+            params[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            raise SystemExit(f"error: configuration {text!r}: value {value!r} is not a number, true/false or null") from None
+    return method.strip(), params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--text_file", "--text-file", required=True)
+    parser.add_argument("--length", type=int, required=True, help="tokens per forward")
+    parser.add_argument("--scale", type=float, required=True)
+    parser.add_argument("--configs", required=True, help="';'-separated method[:key=value,...]; 'none' = unpatched")
+    parser.add_argument("--ranges", default=None, help="comma-separated range edges (default 0,L0/2,L0,length)")
+    parser.add_argument("--output_dir", "--output-dir", required=True)
+    parser.add_argument("--attn_implementation", "--attn-implementation", default="sdpa")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    results_path = output / "results.jsonl"
+    done = {}
+    if results_path.exists():
+        for line in results_path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by an interrupted run
+            done[record["key"]] = record
+
+    model, tokenizer = load_model(args.model, attn_implementation=args.attn_implementation)
+    native = int(model.config.max_position_embeddings)
+    ids = tokenize(tokenizer, read_text(args.text_file))
+    if len(ids) < args.length:
+        raise SystemExit(f"error: {args.text_file} has {len(ids)} tokens, fewer than --length {args.length}")
+    edges = [int(x) for x in args.ranges.split(",")] if args.ranges else [0, native // 2, native, args.length]
+
+    for spec in filter(None, (part.strip() for part in args.configs.split(";"))):
+        method, params = parse_configuration(spec)
+        key = json.dumps({"config": spec, "scale": args.scale, "length": args.length, "text": Path(args.text_file).name,
+                          "edges": edges}, sort_keys=True)
+        if key in done:
+            logger.info("%s: already done", spec)
+            continue
+        if method != "none":
+            patch_model(model, args.scale, method, original_max_length=native, **params)
+        try:
+            start = time.perf_counter()
+            with torch.no_grad():
+                result = bucket_perplexity(model, [ids], args.length, boundaries=edges)
+            seconds = time.perf_counter() - start
+        finally:
+            if method != "none":
+                unpatch_model(model)
+        ppl = [math.exp(total / count) for total, count in zip(result.nll_sums, result.token_counts)]
+        record = {"key": key, "config": spec, "scale": args.scale, "length": args.length, "edges": edges,
+                  "ppl": ppl, "seconds": seconds}
+        with results_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        logger.info("%s: %s (%.0f s)", spec, ", ".join(f"{p:.2f}" for p in ppl), seconds)
+
+    rows = [record for record in (json.loads(line) for line in results_path.read_text().splitlines() if line.strip())]
+    base = {r["length"]: r["seconds"] for r in rows if r["config"] == "none"}
+    lines = ["| config | scale | length | " + " | ".join(f"ppl {a}-{b}" for a, b in zip(edges, edges[1:])) + " | time vs none |",
+             "|---|---|---|" + "---|" * (len(edges) - 1) + "---|"]
+    for r in rows:
+        ratio = f"{r['seconds'] / base[r['length']]:.2f}" if r["length"] in base else ""
+        lines.append(f"| {r['config']} | {r['scale']:g} | {r['length']} | " + " | ".join(f"{p:.2f}" for p in r["ppl"])
+                     + f" | {ratio} |")
+    atomic_write_text(output / "table.md", "\n".join(lines) + "\n")
+    logger.info("\n%s", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,652 @@
+"""Attention-level context extension: remap relative positions inside attention, per model instance.
+
+Frequency scaling (linear, NTK, YaRN) changes the rotation of every position. The methods here
+keep the trained rotations and instead choose, for each query ``i`` and key ``j``, positions
+``(P_q, P_k)`` such that no relative distance ``P_q - P_k`` beyond the trained context ``L0``
+ever reaches attention. Because RoPE rotations compose (``R(a) R(b) = R(a + b)``), a query or
+key already rotated at its true position ``p`` is moved to position ``P`` by one more rotation
+by ``P - p``: the KV cache keeps keys at their true positions, and each query's output depends
+only on its own position and the keys before it, so generation with a cache equals a full
+forward over the same tokens.
+
+A method is a :class:`PositionRemap`: a few *regimes*, each with a query map, a key map and a
+selector saying which ``(i, j)`` pairs use it (the selectors of one remap partition the causal
+pairs). Logits of all regimes are merged before one softmax. Queries at positions below ``L0``
+always use plain attention, so inputs inside the native context give exactly the original
+model's outputs (the call is handed to the model's own attention function).
+
+Memory: the queries are processed in chunks and each regime's keys in blocks; partial softmax
+results are merged with their log-sum-exp, as flash attention does, so no ``T x T`` score
+matrix is ever held (on CPU the fused ``_scaled_dot_product_flash_attention_for_cpu`` kernel
+computes each block; elsewhere an explicit float32 computation of the same quantities).
+
+The model is switched to this attention by a per-instance entry in transformers'
+``AttentionInterface`` / ``AttentionMaskInterface`` registries (the documented extension points):
+a unique name is registered for each patched model, written to ``config._attn_implementation``,
+and removed again by :func:`uninstall`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from dataclasses import dataclass, field
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .rotary import rope_angles
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DualChunkRemap", "PositionRemap", "Regime", "SelfExtendRemap", "remapped_attention"]
+
+# Elements of one (batch x heads x query chunk x key block) score tile; bounds working memory.
+TILE_ELEMENTS = 1 << 26
+KEY_BLOCK = 512
+QUERY_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One way of positioning a (query, key) pair.
+
+    ``query_position(p)`` / ``key_position(p)`` map true positions (int64 tensors) to the
+    positions used for the rotation; ``select(pq, pk)`` (broadcast ``(B, C, 1)`` against
+    ``(B, 1, K)``) says which pairs use this regime. ``None`` maps mean "unchanged".
+    ``classify(q_lo, q_hi, k_lo, k_hi)`` optionally says, from position ranges alone, whether a
+    tile is selected nowhere (``SKIP``), everywhere (``FULL``) or in part (``PARTIAL``), so
+    that only partial tiles need an elementwise mask.
+    """
+
+    name: str
+    query_position: Callable[[torch.Tensor], torch.Tensor] | None
+    key_position: Callable[[torch.Tensor], torch.Tensor] | None
+    select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    classify: Callable[[int, int, int, int], int] | None = None
+
+
+SKIP, FULL, PARTIAL = 0, 1, 2
+
+
+def _status(all_true: bool, none_true: bool) -> int:
+    return FULL if all_true else SKIP if none_true else PARTIAL
+
+
+def _both(first: int, second: int) -> int:
+    """Status of the conjunction of two conditions."""
+    if SKIP in (first, second):
+        return SKIP
+    return FULL if first == second == FULL else PARTIAL
+
+
+class PositionRemap:
+    """Base class: the regimes of one attention-level method, and the longest distance it uses."""
+
+    original_length: int
+
+    def regimes(self) -> list[Regime]:
+        raise NotImplementedError
+
+    def max_distance(self, length: int) -> int:
+        """Largest ``P_q - P_k`` the remap produces for sequences up to ``length`` tokens."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SelfExtendRemap(PositionRemap):
+    """Self-Extend (Jin et al., ICML 2024, "LLM Maybe LongLM", arXiv 2401.01325).
+
+    Neighbour attention keeps the true relative distance for keys within ``W`` tokens; farther
+    keys use grouped positions (floor division by the group size ``G``), with the query shifted
+    so that both regimes meet at distance ``W``:
+
+        P_q = i,                            P_k = j          if i - j < W   (neighbour)
+        P_q = floor(i / G) + W - floor(W / G),  P_k = floor(j / G)   otherwise  (grouped)
+
+    The longest distance seen at length ``L`` is about ``W + (L - W) / G``, which must stay
+    below ``L0``. Queries at ``i < L0`` use plain attention (all their distances were trained).
+    """
+
+    group_size: int
+    neighbor_window: int
+    original_length: int
+
+    def regimes(self) -> list[Regime]:
+        G, W, L0 = self.group_size, self.neighbor_window, self.original_length
+        shift = W - W // G
+
+        def near(pq: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
+            return (pq - pk < W) | (pq < L0)
+
+        def near_status(q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> int:
+            return _status(q_hi < L0 or q_hi - k_lo < W, q_lo >= L0 and q_lo - k_hi >= W)
+
+        def far_status(q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> int:
+            return {FULL: SKIP, SKIP: FULL, PARTIAL: PARTIAL}[near_status(q_lo, q_hi, k_lo, k_hi)]
+
+        return [
+            Regime("neighbor", None, None, near, near_status),
+            Regime(
+                "grouped",
+                lambda p: torch.div(p, G, rounding_mode="floor") + shift,
+                lambda p: torch.div(p, G, rounding_mode="floor"),
+                lambda pq, pk: ~near(pq, pk),
+                far_status,
+            ),
+        ]
+
+    def max_distance(self, length: int) -> int:
+        G, W = self.group_size, self.neighbor_window
+        last = length - 1
+        return max(min(last, W - 1), last // G + W - W // G)
+
+
+@dataclass(frozen=True)
+class DualChunkRemap(PositionRemap):
+    """Dual Chunk Attention (An et al., ICML 2024, arXiv 2402.17463; ChunkLlama).
+
+    Positions are cut into chunks of ``s`` tokens; every key takes its position within its
+    chunk, ``P_k = j mod s``. The query's position depends on where the key is (``c(p) =
+    floor(p / s)`` the chunk index, ``w`` the local window):
+
+        intra-chunk       c(j) = c(i):       P_q = i mod s            (true distance i - j)
+        successive-chunk  c(j) = c(i) - 1:   P_q = min(i mod s + s, s + w)
+        inter-chunk       c(j) < c(i) - 1:   P_q = s + w
+
+    Distances stay below ``s + w`` (at most ``L0``) whatever the length; the first ``w`` tokens
+    of a chunk see the previous chunk at their true distances (locality). Queries at
+    ``i < L0`` use plain attention.
+    """
+
+    chunk_size: int
+    local_window: int
+    original_length: int
+
+    def regimes(self) -> list[Regime]:
+        s, w, L0 = self.chunk_size, self.local_window, self.original_length
+
+        def chunk(p: torch.Tensor) -> torch.Tensor:
+            return torch.div(p, s, rounding_mode="floor")
+
+        def within(p: torch.Tensor) -> torch.Tensor:
+            return torch.remainder(p, s)
+
+        def far(pq: torch.Tensor) -> torch.Tensor:
+            return pq >= L0
+
+        def far_status(q_lo: int, q_hi: int) -> int:
+            return _status(q_lo >= L0, q_hi < L0)
+
+        def chunk_status(offset_lo: int, offset_hi: int):
+            # Status of "c(pk) - c(pq) in [offset_lo, offset_hi]" over a tile.
+            def status(q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> int:
+                lo, hi = k_lo // s - q_hi // s, k_hi // s - q_lo // s  # range of c(pk) - c(pq)
+                return _both(far_status(q_lo, q_hi), _status(offset_lo <= lo and hi <= offset_hi, hi < offset_lo or lo > offset_hi))
+
+            return status
+
+        huge = 1 << 62
+        return [
+            Regime("native", None, None, lambda pq, pk: ~far(pq), lambda q_lo, q_hi, k_lo, k_hi: _status(q_hi < L0, q_lo >= L0)),
+            Regime("intra", within, within, lambda pq, pk: far(pq) & (chunk(pk) == chunk(pq)), chunk_status(0, 0)),
+            Regime(
+                "successive",
+                lambda p: torch.clamp(within(p) + s, max=s + w),
+                within,
+                lambda pq, pk: far(pq) & (chunk(pk) == chunk(pq) - 1),
+                chunk_status(-1, -1),
+            ),
+            Regime(
+                "inter",
+                lambda p: torch.full_like(p, s + w),
+                within,
+                lambda pq, pk: far(pq) & (chunk(pk) < chunk(pq) - 1),
+                chunk_status(-huge, -2),
+            ),
+        ]
+
+    def max_distance(self, length: int) -> int:
+        return min(length - 1, self.chunk_size + self.local_window)
+
+
+def _whole_number(value: Any, name: str, method: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__index__"):
+        raise TypeError(f"{method}: {name} must be a whole number of tokens, got {value!r}.")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise TypeError(f"{method}: {name} must be a whole number of tokens, got {value!r}.")
+        value = int(value)
+    return int(value)
+
+
+def default_neighbor_window(original_length: int) -> int:
+    """Self-Extend's default neighbour window: a quarter of the trained context (see README)."""
+    return max(1, original_length // 4)
+
+
+def self_extend_remap(params: Mapping[str, Any]) -> SelfExtendRemap:
+    """The :class:`SelfExtendRemap` of resolved ``patch_model`` parameters, checked.
+
+    ``neighbor_window`` defaults to :func:`default_neighbor_window`; ``group_size`` to the
+    smallest group that keeps every distance below ``L0`` at the target length ``ceil(L0 * s)``.
+    """
+    original = int(params["original_max_position_embeddings"])
+    target = int(math.ceil(original * params["factor"]))
+    window = params.get("neighbor_window")
+    window = default_neighbor_window(original) if window is None else _whole_number(window, "neighbor_window", "self-extend")
+    if not 1 <= window < original:
+        raise ValueError(
+            f"self-extend: neighbor_window must be between 1 and the original context minus 1 ({original - 1}), "
+            f"got {window}; distances up to it keep their trained positions."
+        )
+    group = params.get("group_size")
+    if group is None:
+        group = 2
+        while SelfExtendRemap(group, window, original).max_distance(target) >= original:
+            group += 1
+    group = _whole_number(group, "group_size", "self-extend")
+    if group < 2:
+        raise ValueError(f"self-extend: group_size must be at least 2 (1 would not group anything), got {group}.")
+    remap = SelfExtendRemap(group, window, original)
+    if remap.max_distance(target) >= original:
+        needed = math.ceil((target - window) / (original - window)) + 1
+        raise ValueError(
+            f"self-extend: group_size={group} with neighbor_window={window} reaches distance "
+            f"{remap.max_distance(target)} at {target} tokens, beyond the trained {original}; use group_size >= {needed} "
+            "or a smaller neighbor_window (or leave group_size unset to derive it)."
+        )
+    return remap
+
+
+def dual_chunk_remap(params: Mapping[str, Any]) -> DualChunkRemap:
+    """The :class:`DualChunkRemap` of resolved ``patch_model`` parameters, checked.
+
+    Defaults follow ChunkLlama: ``local_window = L0 // 16`` and ``chunk_size = 3 L0 // 4 - local_window``.
+    """
+    original = int(params["original_max_position_embeddings"])
+    window = params.get("local_window")
+    window = original // 16 if window is None else _whole_number(window, "local_window", "dual-chunk")
+    chunk = params.get("chunk_size")
+    chunk = (3 * original) // 4 - window if chunk is None else _whole_number(chunk, "chunk_size", "dual-chunk")
+    if window < 0:
+        raise ValueError(f"dual-chunk: local_window must be >= 0, got {window}.")
+    if chunk < 1 or chunk + window >= original:
+        raise ValueError(
+            f"dual-chunk: need 1 <= chunk_size and chunk_size + local_window < the original context {original}, "
+            f"got chunk_size={chunk}, local_window={window}; the longest distance it produces is their sum."
+        )
+    return DualChunkRemap(chunk, window, original)
+
+
+def logn_factor(positions: torch.Tensor, original_length: int) -> torch.Tensor:
+    """Length-dependent attention temperature (Su 2021; Qwen's ``use_logn_attn``).
+
+    The logits of the query at position ``i`` are multiplied by ``max(1, ln(i + 1) / ln(L0))``
+    so the entropy of attention does not grow with the number of keys beyond the trained
+    context. Per query position, so a KV cache stays exact.
+    """
+    scale = torch.log(positions.to(torch.float64) + 1) / math.log(original_length)
+    return scale.clamp(min=1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The computation
+# ----------------------------------------------------------------------------------------------
+
+
+def _rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, H, N, D; rotate-half layout) by ``shift`` (B, N) more positions.
+
+    Angles from float64 frequencies, reduced modulo 2 pi (see :func:`hf_rope_ext.rotary.rope_angles`);
+    the product is formed in float32 and cast back once.
+    """
+    rotary_dim = 2 * inv_freq.shape[-1]
+    angles = rope_angles(shift, inv_freq)[:, None]  # (B, 1, N, rd/2)
+    cos, sin = angles.cos(), angles.sin()
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    rotated = x[..., :rotary_dim].float()
+    half = rotary_dim // 2
+    turned = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
+    rotated = (rotated * cos + turned * sin).to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
+def _partial_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over a subset of keys: ``(output (B, H, C, D), log-sum-exp (B, H, C) float32)``.
+
+    ``allowed`` (B, 1, C, K) bool or None (all). Rows with no allowed key get output 0 and
+    log-sum-exp ``-inf``, so they drop out of the merge.
+    """
+    if query.device.type == "cpu":
+        bias = None
+        if allowed is not None:
+            bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, -math.inf)
+        output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, False, attn_mask=bias, scale=scaling
+        )
+        lse = lse.float()
+    else:  # explicit float32 computation (any device); the tiles are small
+        scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)
+        weights = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
+        output = torch.matmul(weights, value.float()).to(query.dtype)
+    if allowed is not None:
+        empty = ~allowed.any(dim=-1)  # (B, 1, C)
+        if bool(empty.any()):
+            lse = lse.masked_fill(empty, -math.inf)
+            output = output.masked_fill(empty[..., None], 0.0)
+    return output, lse
+
+
+class _Accumulator:
+    """Partial softmax results of one query chunk, merged by their log-sum-exp (flash attention's rescaling)."""
+
+    def __init__(self):
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, output: torch.Tensor, lse: torch.Tensor) -> None:
+        self.parts.append((output, lse))
+
+    def result(self) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0][0]
+        lses = torch.stack([lse for _, lse in self.parts])  # (P, B, H, C)
+        total = torch.logsumexp(lses, dim=0)
+        weights = torch.exp(lses - total.nan_to_num(neginf=0.0)).nan_to_num(nan=0.0)  # rows with no key: 0
+        merged = self.parts[0][0].float() * weights[0][..., None]
+        for (output, _), weight in zip(self.parts[1:], weights[1:]):
+            merged.add_(output.float() * weight[..., None])
+        return merged
+
+
+def _runs(status: list[int]) -> list[tuple[int, int, int]]:
+    """Group equal consecutive block statuses: ``[(status, first, last + 1), ...]``."""
+    runs: list[tuple[int, int, int]] = []
+    for index, value in enumerate(status):
+        if runs and runs[-1][0] == value and runs[-1][2] == index:
+            runs[-1] = (value, runs[-1][1], index + 1)
+        else:
+            runs.append((value, index, index + 1))
+    return runs
+
+
+def remapped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    allowed: Callable[[int, int], torch.Tensor | None],
+    remap: PositionRemap | None,
+    inv_freq: torch.Tensor,
+    scaling: float,
+    logn_length: int | None = None,
+    query_chunk: int | None = None,
+) -> torch.Tensor:
+    """Attention with remapped relative positions; returns ``(B, C, H, D)`` like transformers' functions.
+
+    Args:
+        query: (B, H, Tq, D), rotated at the true positions; key/value: (B, Hkv, Tk, D), keys
+            rotated at the true positions.
+        query_positions: (B, Tq) int64 true positions; key_positions: (B, Tk).
+        allowed: ``allowed(q_start, q_end)`` -> (B, 1, q_end - q_start, Tk) bool mask of the
+            causal/padding structure for those queries, or None for "every key not after the
+            query" (then judged from positions).
+        remap: the position remap, or None for plain positions (logn only).
+        inv_freq: float64 frequencies of the rotary embedding (for the extra rotations).
+        scaling: the softmax scale (1 / sqrt(head_dim)).
+        logn_length: if set, ``L0`` of the log-n attention temperature.
+    """
+    batch, heads, query_len, head_dim = query.shape
+    kv_heads, key_len = key.shape[1], key.shape[2]
+    query_positions = query_positions.expand(batch, -1)
+    key_positions = key_positions.expand(batch, -1)
+    inv_freq = inv_freq.to(query.device)
+    regimes = remap.regimes() if remap is not None else [Regime("plain", None, None, lambda pq, pk: pk <= pq)]
+    rotated_keys = []
+    for regime in regimes:
+        keys = key if regime.key_position is None else _rotate(key, regime.key_position(key_positions) - key_positions, inv_freq)
+        # grouped-query attention: one key head serves heads // kv_heads query heads
+        rotated_keys.append(keys.repeat_interleave(heads // kv_heads, dim=1) if heads != kv_heads else keys)
+    if heads != kv_heads:
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    chunk = max(1, min(query_len, query_chunk or QUERY_CHUNK))
+    outputs = []
+    for start in range(0, query_len, chunk):
+        end = min(query_len, start + chunk)
+        q = query[:, :, start:end]
+        pq = query_positions[:, start:end]
+        if logn_length is not None:
+            q = (q.float() * logn_factor(pq, logn_length).to(q.device, torch.float32)[:, None, :, None]).to(q.dtype)
+        base = allowed(start, end)  # (B, 1, C, Tk) or None
+        # Keys after the chunk's last query are never visible (causal): stop there.
+        last_key = int((key_positions <= pq.max()).sum(dim=-1).max())
+        accumulator = _Accumulator()
+        for regime, keys in zip(regimes, rotated_keys):
+            qr = q if regime.query_position is None else _rotate(q, regime.query_position(pq) - pq, inv_freq)
+            _add_regime(
+                accumulator, regime, qr, keys, value, pq, key_positions, base, last_key, scaling
+            )
+        outputs.append(accumulator.result().to(query.dtype))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def _add_regime(
+    accumulator: _Accumulator,
+    regime: Regime,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pq: torch.Tensor,
+    pk: torch.Tensor,
+    base: torch.Tensor | None,
+    last_key: int,
+    scaling: float,
+) -> None:
+    """Add one regime's keys, block by block, skipping blocks it does not select."""
+    q_lo, q_hi = int(pq.min()), int(pq.max())
+    statuses, masks = [], []
+    for block_start in range(0, last_key, KEY_BLOCK):
+        block_end = min(last_key, block_start + KEY_BLOCK)
+        block_pk = pk[:, block_start:block_end]
+        k_lo, k_hi = int(block_pk.min()), int(block_pk.max())
+        status = _status(k_hi <= q_lo, k_lo > q_hi)  # causal
+        if regime.classify is not None:
+            status = _both(status, regime.classify(q_lo, q_hi, k_lo, k_hi))
+        else:
+            status = _both(status, PARTIAL)
+        mask = None
+        if status != SKIP and (status == PARTIAL or base is not None):
+            mask = regime.select(pq[:, :, None], block_pk[:, None, :])[:, None]  # (B, 1, C, K)
+            if base is None:
+                mask = mask & (block_pk[:, None, None, :] <= pq[:, None, :, None])
+            else:
+                mask = mask & base[..., block_start:block_end]
+            status = _status(bool(mask.all()), not bool(mask.any()))
+            if status != PARTIAL:
+                mask = None
+        statuses.append(status)
+        masks.append(mask)
+    for status, first, stop in _runs(statuses):
+        if status == SKIP:
+            continue
+        lo, hi = first * KEY_BLOCK, min(last_key, stop * KEY_BLOCK)
+        mask = None if status == FULL else torch.cat(masks[first:stop], dim=-1)
+        output, lse = _partial_attention(query, key[:, :, lo:hi], value[:, :, lo:hi], mask, scaling)
+        accumulator.add(output, lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# Installing on a model instance
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Geometry:
+    """Where the keys of a call sit in the cache, as transformers' mask creation computed it."""
+
+    query_offset: int
+    key_offset: int
+
+
+@dataclass
+class AttentionPatch:
+    """What :func:`install` changed on one model instance, and the state its functions share."""
+
+    config: Any
+    name: str
+    original_implementation: str | None
+    remap: PositionRemap | None
+    inv_freq: torch.Tensor
+    original_length: int
+    logn: bool
+    geometry: dict[tuple[int, int], _Geometry] = field(default_factory=dict)
+
+    def attention(self, module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        """The attention function registered for this model (transformers' signature)."""
+        original = _attention_functions().get_interface(self.original_implementation, _eager_attention())
+        position_ids = kwargs.get("position_ids")
+        query_len, key_len = query.shape[2], key.shape[2]
+        geometry = self.geometry.get((query_len, key_len))
+        if position_ids is None:
+            first = geometry.query_offset if geometry is not None else key_len - query_len
+            position_ids = torch.arange(first, first + query_len, device=query.device)[None]
+        position_ids = position_ids.to(query.device)
+        if int(position_ids.max()) < self.original_length:
+            # Inside the native context every method is plain attention: the model's own kernel.
+            return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if dropout and module.training:
+            raise ValueError("attention-level methods do not support attention dropout during training; set it to 0.")
+        # Key j sits at cache slot key_offset + j; queries at query_offset + i: their slot
+        # difference is their position difference (positions are contiguous within a row).
+        if geometry is not None:
+            query_slot_last = geometry.query_offset + query_len - 1
+            key_slots = geometry.key_offset + torch.arange(key_len, device=query.device)
+        else:
+            query_slot_last = key_len - 1
+            key_slots = torch.arange(key_len, device=query.device)
+        key_positions = position_ids[:, -1:] + (key_slots[None] - query_slot_last)
+        allowed = _mask_reader(attention_mask, query_len, key_len, position_ids, key_positions)
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        output = remapped_attention(
+            query,
+            key,
+            value,
+            query_positions=position_ids,
+            key_positions=key_positions,
+            allowed=allowed,
+            remap=self.remap,
+            inv_freq=self.inv_freq,
+            scaling=scaling,
+            logn_length=self.original_length if self.logn else None,
+        )
+        return output, None
+
+    def mask(self, *args, **kwargs):
+        """The mask function registered for this model: the original one, plus the cache geometry."""
+        q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
+        if q_length is not None and kv_length is not None:
+            geometry = _Geometry(int(kwargs.get("q_offset") or 0), int(kwargs.get("kv_offset") or 0))
+            self.geometry[(int(q_length), int(kv_length))] = geometry
+        masks = _mask_functions()
+        original = masks[self.original_implementation if self.original_implementation in masks else "sdpa"]
+        return original(*args, **kwargs)
+
+
+def _mask_reader(attention_mask, query_len: int, key_len: int, query_positions, key_positions):
+    """A function ``(start, end) -> allowed (B, 1, end - start, Tk) bool or None`` for any mask format."""
+    if attention_mask is None:
+        return lambda start, end: None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(
+            f"attention-level methods need a tensor attention mask, got {type(attention_mask).__name__}; use "
+            "attn_implementation 'sdpa' or 'eager'."
+        )
+    if attention_mask.dim() == 2:  # flash-attention style padding mask (B, Tk)
+        padding = attention_mask.bool()[:, None, None, :]
+
+        def allowed(start, end):
+            causal = key_positions[:, None, None, :] <= query_positions[:, None, start:end, None]
+            return causal & padding
+
+        return allowed
+    if attention_mask.dtype == torch.bool:
+        return lambda start, end: attention_mask[:, :, start:end, :key_len]
+    # eager: additive float mask, 0 where allowed
+    return lambda start, end: attention_mask[:, :, start:end, :key_len] == 0
+
+
+def _attention_functions():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
+def _mask_functions():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS
+
+
+def _eager_attention():
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return eager_attention_forward
+
+
+SUPPORTED_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def install(
+    config: Any, remap: PositionRemap | None, inv_freq: torch.Tensor, original_length: int, logn: bool
+) -> AttentionPatch:
+    """Route this model's attention through :meth:`AttentionPatch.attention`; see the module docstring."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if implementation not in SUPPORTED_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention-level methods work with attn_implementation in {SUPPORTED_IMPLEMENTATIONS}, this model uses "
+            f"{implementation!r}; load it with attn_implementation='sdpa'."
+        )
+    patch = AttentionPatch(
+        config=config,
+        name=f"hf_rope_ext_{uuid.uuid4().hex[:12]}",
+        original_implementation=implementation,
+        remap=remap,
+        inv_freq=inv_freq.detach().to(torch.float64).cpu(),
+        original_length=original_length,
+        logn=logn,
+    )
+    # Global entries keyed by a name unique to this model: masking_utils reads only the class-wide
+    # mapping of mask functions.
+    AttentionInterface.register(patch.name, patch.attention)
+    AttentionMaskInterface.register(patch.name, patch.mask)
+    config._attn_implementation = patch.name
+    logger.info("Attention of this model routed through %s (was %r).", patch.name, implementation)
+    return patch
+
+
+def uninstall(patch: AttentionPatch) -> None:
+    """Give the model its own attention back and remove the registry entries."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    if getattr(patch.config, "_attn_implementation", None) == patch.name:
+        patch.config._attn_implementation = patch.original_implementation
+    AttentionInterface._global_mapping.pop(patch.name, None)
+    AttentionMaskInterface._global_mapping.pop(patch.name, None)
+    patch.geometry.clear()

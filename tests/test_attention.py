@@ -1,0 +1,335 @@
+"""Attention-level methods (self-extend, dual-chunk, log-n attention) against naive references.
+
+The reference builds the full matrices of query and key positions from the papers' formulas,
+rotates raw queries and keys to them in float64, and runs one unchunked softmax; it is plugged
+into the *unpatched* model through transformers' own attention registry, so it shares no code
+with the package.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from hf_rope_ext import get_patch_info, patch_model, unpatch_model
+from hf_rope_ext import attention as attention_level
+
+from conftest import FAMILIES, ORIGINAL_CONTEXT, make_model, random_ids
+
+L0 = ORIGINAL_CONTEXT
+LENGTH = 100  # > 3 x L0
+
+
+# ----------------------------------------------------------------------------------------------
+# The papers' position matrices, written out
+# ----------------------------------------------------------------------------------------------
+
+
+def self_extend_positions(i: int, j: int, group: int, window: int) -> tuple[int, int]:
+    """Jin et al. 2024, eq. (3)-(4) / LongLM's code; plain attention for queries inside L0."""
+    if i - j < window or i < L0:
+        return i, j
+    return i // group + window - window // group, j // group
+
+
+def dual_chunk_positions(i: int, j: int, chunk: int, local: int) -> tuple[int, int]:
+    """An et al. 2024, sec. 3 / ChunkLlama's code; plain attention for queries inside L0."""
+    if i < L0:
+        return i, j
+    ci, cj = i // chunk, j // chunk
+    if cj == ci:
+        return i % chunk, j % chunk
+    if cj == ci - 1:
+        return min(i % chunk + chunk, chunk + local), j % chunk
+    return chunk + local, j % chunk
+
+
+def _rotation(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x (..., D) by angles (..., D/2), float64."""
+    half = x.shape[-1] // 2
+    cos, sin = torch.cat((angle.cos(), angle.cos()), -1), torch.cat((angle.sin(), angle.sin()), -1)
+    turned = torch.cat((-x[..., half:], x[..., :half]), -1)
+    return x * cos + turned * sin
+
+
+def naive_attention_factory(position_fn, theta: torch.Tensor, logn: bool = False):
+    """An attention function (transformers' signature) computing the reference in float64."""
+
+    def naive(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        batch, heads, length, dim = query.shape
+        groups = heads // key.shape[1]
+        key = key.repeat_interleave(groups, 1).double()
+        value = value.repeat_interleave(groups, 1).double()
+        query = query.double()
+        delta = torch.zeros(length, length, dtype=torch.float64)  # extra key rotation relative to the query's
+        for i in range(length):
+            for j in range(i + 1):
+                pq, pk = position_fn(i, j)
+                delta[i, j] = (pk - j) - (pq - i)
+        # (R(a) q) . (R(b) k) = q . R(b - a) k
+        keys = _rotation(key[:, :, None, :, :], delta[None, None, :, :, None] * theta)  # (B, H, i, j, D)
+        scores = torch.einsum("bhid,bhijd->bhij", query, keys) * scaling
+        if logn:
+            factor = torch.tensor([max(1.0, math.log(i + 1) / math.log(L0)) for i in range(length)], dtype=torch.float64)
+            scores = scores * factor[:, None]
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, -math.inf)
+        output = torch.matmul(scores.softmax(-1), value)
+        return output.transpose(1, 2).to(torch.float32), None
+
+    return naive
+
+
+def reference_logits(model, ids, position_fn, logn=False):
+    """Logits of the unpatched model with the naive attention plugged in under a test-only name."""
+    rope = model.config.rope_parameters
+    head_dim = model.model.layers[0].self_attn.head_dim
+    theta = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    name = "test_naive_reference"
+    AttentionInterface.register(name, naive_attention_factory(position_fn, theta, logn))
+    AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping["sdpa"])
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = name
+    try:
+        with torch.no_grad():
+            return model(ids).logits
+    finally:
+        model.config._attn_implementation = previous
+        del AttentionInterface._global_mapping[name]
+        del AttentionMaskInterface._global_mapping[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# Against the reference
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_self_extend_matches_naive_reference(family, implementation):
+    model = make_model(family, attn_implementation=implementation)
+    ids = random_ids(LENGTH)
+    group, window = 6, 8
+    expected = reference_logits(model, ids, lambda i, j: self_extend_positions(i, j, group, window))
+    unpatched = model(ids).logits.detach()
+    patch_model(model, scale=4, method="self-extend", group_size=group, neighbor_window=window)
+    with torch.no_grad():
+        actual = model(ids).logits
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+    # and it is not the unpatched model beyond L0 (the reference would then be meaningless)
+    assert (unpatched[:, L0:] - expected[:, L0:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_dual_chunk_matches_naive_reference(family, implementation):
+    model = make_model(family, attn_implementation=implementation)
+    ids = random_ids(LENGTH)
+    chunk, local = 20, 4
+    expected = reference_logits(model, ids, lambda i, j: dual_chunk_positions(i, j, chunk, local))
+    unpatched = model(ids).logits.detach()
+    patch_model(model, scale=4, method="dual-chunk", chunk_size=chunk, local_window=local)
+    with torch.no_grad():
+        actual = model(ids).logits
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+    assert (unpatched[:, L0:] - expected[:, L0:]).abs().max() > 1e-2
+
+
+def test_logn_attention_matches_naive_reference():
+    model = make_model("llama")
+    ids = random_ids(LENGTH)
+    expected = reference_logits(model, ids, lambda i, j: self_extend_positions(i, j, 6, 8), logn=True)
+    patch_model(model, scale=4, method="self-extend+logn", group_size=6, neighbor_window=8)
+    assert get_patch_info(model).logn_attention
+    with torch.no_grad():
+        actual = model(ids).logits
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_logn_on_a_frequency_method_scales_only_beyond_the_original_context():
+    model = make_model("llama")
+    ids = random_ids(LENGTH)
+    with torch.no_grad():
+        patch_model(model, scale=4, method="yarn")
+        yarn = model(ids).logits
+        patch_model(model, scale=4, method="yarn", logn_attention=True)
+        yarn_logn = model(ids).logits
+    torch.testing.assert_close(yarn_logn[:, :L0], yarn[:, :L0], atol=1e-5, rtol=1e-5)
+    assert (yarn_logn[:, L0:] - yarn[:, L0:]).abs().max() > 1e-3
+
+
+def test_paper_position_maps_bound_every_distance():
+    """The remaps' own claims about the longest distance, checked pair by pair from the formulas."""
+    length = 4 * L0
+    for group, window in [(4, 8), (3, 16), (8, 2)]:
+        remap = attention_level.SelfExtendRemap(group, window, L0)
+        longest = max(
+            pq - pk for i in range(L0, length) for j in range(i + 1) for pq, pk in [self_extend_positions(i, j, group, window)]
+        )
+        assert longest <= remap.max_distance(length)
+    longest = max(
+        pq - pk for i in range(L0, length) for j in range(i + 1) for pq, pk in [dual_chunk_positions(i, j, 20, 4)]
+    )
+    assert longest <= 24 < L0
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunking, cache, round trip
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk"])
+def test_chunked_equals_unchunked(method, monkeypatch):
+    torch.manual_seed(0)
+    length = 90
+    query, key, value = torch.randn(2, 4, length, 16), torch.randn(2, 2, length, 16), torch.randn(2, 2, length, 16)
+    positions = torch.arange(length)[None]
+    remap = (
+        attention_level.SelfExtendRemap(3, 8, L0) if method == "self-extend" else attention_level.DualChunkRemap(20, 4, L0)
+    )
+    theta = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    common = dict(query_positions=positions, key_positions=positions, allowed=lambda a, b: None, remap=remap,
+                  inv_freq=theta, scaling=0.25)
+    whole = attention_level.remapped_attention(query, key, value, query_chunk=length, **common)
+    monkeypatch.setattr(attention_level, "KEY_BLOCK", 7)
+    pieces = attention_level.remapped_attention(query, key, value, query_chunk=5, **common)
+    torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
+
+
+def _generation_matches_full_forward(model, ids, attention_mask=None, **kwargs):
+    out = model.generate(
+        ids, attention_mask=attention_mask, max_new_tokens=LENGTH - ids.shape[1], do_sample=False,
+        output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs,
+    )
+    full_mask = positions = None
+    if attention_mask is not None:
+        full_mask = torch.cat([attention_mask, torch.ones_like(out.sequences[:, ids.shape[1]:])], dim=1)
+        # the positions generate gives padded rows (a plain forward would count the padding)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        full = model(out.sequences, attention_mask=full_mask, position_ids=positions).logits
+    generated = torch.stack(out.logits, dim=1)
+    torch.testing.assert_close(generated, full[:, ids.shape[1] - 1 : -1], atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "yarn+logn"])
+def test_generation_with_cache_equals_full_forward(family, method):
+    model = make_model(family, attn_implementation="sdpa")
+    params = {"self-extend": {"neighbor_window": 8}, "dual-chunk": {"chunk_size": 20, "local_window": 4}}.get(method, {})
+    patch_model(model, scale=4, method=method, **params)
+    _generation_matches_full_forward(model, random_ids(20))
+
+
+def test_generation_with_left_padding_and_static_cache():
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method="self-extend", neighbor_window=8)
+    ids = random_ids(20, batch=2)
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 0, 0  # left padding on the first row
+    _generation_matches_full_forward(model, ids, attention_mask=mask)
+    _generation_matches_full_forward(model, random_ids(20), cache_implementation="static")
+
+
+def test_inside_the_original_context_outputs_are_the_unpatched_model_bitwise(family):
+    model = make_model(family, attn_implementation="sdpa")
+    ids = random_ids(L0)
+    with torch.no_grad():
+        before = model(ids).logits
+        patch_model(model, scale=4, method="self-extend")
+        during = model(ids).logits
+    assert torch.equal(before, during)
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "ntk+logn"])
+def test_unpatch_restores_everything_bitwise(method):
+    model = make_model("llama", attn_implementation="sdpa")
+    ids = random_ids(LENGTH)
+    with torch.no_grad():
+        before = model(ids).logits
+    implementation = model.config._attn_implementation
+    functions = set(AttentionInterface._global_mapping)
+    masks = set(AttentionMaskInterface._global_mapping)
+    patch_model(model, scale=4, method=method)
+    name = model.config._attn_implementation
+    assert name != implementation and name in ALL_ATTENTION_FUNCTIONS
+    with torch.no_grad():
+        assert not torch.equal(model(ids).logits, before)
+    unpatch_model(model)
+    assert model.config._attn_implementation == implementation
+    assert set(AttentionInterface._global_mapping) == functions
+    assert set(AttentionMaskInterface._global_mapping) == masks
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_two_models_keep_their_own_settings():
+    first, second = make_model("llama", attn_implementation="sdpa"), make_model("llama", attn_implementation="sdpa")
+    ids = random_ids(LENGTH)
+    patch_model(first, scale=4, method="self-extend", group_size=6, neighbor_window=8)
+    patch_model(second, scale=4, method="self-extend", group_size=8, neighbor_window=4)
+    with torch.no_grad():
+        assert not torch.allclose(first(ids).logits, second(ids).logits)
+        expected = reference_logits(first, ids, lambda i, j: self_extend_positions(i, j, 8, 4))
+        torch.testing.assert_close(second(ids).logits, expected, atol=2e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters
+# ----------------------------------------------------------------------------------------------
+
+
+def test_default_group_size_is_the_smallest_that_fits():
+    model = make_model("llama")
+    for scale in (2, 4, 8):
+        patch_model(model, scale=scale, method="self-extend", neighbor_window=8)
+        remap = next(m for n, m in model.named_modules() if hasattr(m, "attention_patch")).attention_patch.remap
+        target = math.ceil(L0 * scale)
+        group = remap.group_size
+        # closed form: W + (L - 1 - W) / G with floor rounding stays below L0, and G - 1 would not
+        assert (target - 1) // group + 8 - 8 // group < L0
+        assert group == 2 or (target - 1) // (group - 1) + 8 - 8 // (group - 1) >= L0
+
+
+@pytest.mark.parametrize(
+    "method, params, message",
+    [
+        ("self-extend", {"group_size": 0}, "group_size must be at least 2"),
+        ("self-extend", {"group_size": 1}, "group_size must be at least 2"),
+        ("self-extend", {"neighbor_window": L0}, "neighbor_window must be between 1"),
+        ("self-extend", {"neighbor_window": 0}, "neighbor_window must be between 1"),
+        ("self-extend", {"neighbor_window": 4.5}, "whole number"),
+        ("self-extend", {"group_size": 2, "neighbor_window": 16}, "use group_size >="),
+        ("self-extend", {"group_size": "4"}, "whole number"),
+        ("self-extend", {"window": 8}, "accepts: group_size, neighbor_window"),
+        ("dual-chunk", {"chunk_size": 30, "local_window": 4}, "chunk_size \\+ local_window <"),
+        ("dual-chunk", {"chunk_size": 0}, "1 <= chunk_size"),
+        ("dual-chunk", {"local_window": -1}, "local_window must be >= 0"),
+    ],
+)
+def test_bad_parameters_are_refused_and_the_model_is_untouched(method, params, message):
+    model = make_model("llama", attn_implementation="sdpa")
+    ids = random_ids(LENGTH)
+    with torch.no_grad():
+        before = model(ids).logits
+    with pytest.raises((ValueError, TypeError), match=message):
+        patch_model(model, scale=4, method=method, **params)
+    assert get_patch_info(model) is None
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_logn_attention_must_be_a_bool():
+    model = make_model("llama")
+    with pytest.raises(TypeError, match="logn_attention must be True or False"):
+        patch_model(model, scale=4, method="yarn", logn_attention="yes")
+
+
+def test_unsupported_attention_implementation_is_refused():
+    model = make_model("llama", attn_implementation="sdpa")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="attn_implementation"):
+        patch_model(model, scale=4, method="self-extend")
+    assert get_patch_info(model) is None
