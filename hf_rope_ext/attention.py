@@ -325,7 +325,10 @@ def _partial_attention(
     ``allowed`` (B, 1, C, K) bool or None (all). Rows with no allowed key get output 0 and
     log-sum-exp ``-inf``, so they drop out of the merge.
     """
-    if query.device.type == "cpu":
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    # The fused kernel's backward ignores the gradient of its log-sum-exp, which the merge needs:
+    # it serves inference only.
+    if query.device.type == "cpu" and not needs_grad:
         bias = None
         if allowed is not None:
             bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, -math.inf)
@@ -333,7 +336,7 @@ def _partial_attention(
             query, key, value, 0.0, False, attn_mask=bias, scale=scaling
         )
         lse = lse.float()
-    else:  # explicit float32 computation (any device); the tiles are small
+    else:  # explicit float32 computation (any device, and training); the tiles are small
         scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
         if allowed is not None:
             scores = scores.masked_fill(~allowed, -math.inf)
@@ -528,15 +531,11 @@ class AttentionPatch:
             return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if dropout and module.training:
             raise ValueError("attention-level methods do not support attention dropout during training; set it to 0.")
-        # Key j sits at cache slot key_offset + j; queries at query_offset + i: their slot
-        # difference is their position difference (positions are contiguous within a row).
         if geometry is not None:
-            query_slot_last = geometry.query_offset + query_len - 1
-            key_slots = geometry.key_offset + torch.arange(key_len, device=query.device)
-        else:
-            query_slot_last = key_len - 1
-            key_slots = torch.arange(key_len, device=query.device)
-        key_positions = position_ids[:, -1:] + (key_slots[None] - query_slot_last)
+            query_slot, key_offset = geometry.query_offset, geometry.key_offset
+        else:  # keys are the cached tokens followed by this call's
+            query_slot, key_offset = key_len - query_len, 0
+        key_positions = _key_positions(position_ids, query_slot, key_offset, key_len)
         allowed = _mask_reader(attention_mask, query_len, key_len, position_ids, key_positions)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
@@ -563,6 +562,30 @@ class AttentionPatch:
         masks = _mask_functions()
         original = masks[self.original_implementation if self.original_implementation in masks else "sdpa"]
         return original(*args, **kwargs)
+
+
+def _key_positions(query_positions: torch.Tensor, query_slot: int, key_offset: int, key_len: int) -> torch.Tensor:
+    """True positions of the keys ``(B, Tk)``.
+
+    Key ``j`` sits in cache slot ``key_offset + j``; this call's queries were written to slots
+    ``query_slot ...``, so those keys take the queries' own positions (any position ids, gaps
+    included); older cached keys continue the first query's row backwards one position per
+    slot (generation writes consecutive positions), and unwritten slots of a static cache
+    forwards from the last query (they are masked out).
+    """
+    batch, query_len = query_positions.shape
+    slots = key_offset + torch.arange(key_len, device=query_positions.device)
+    before = query_positions[:, :1] - (query_slot - slots)[None]
+    after = query_positions[:, -1:] + (slots - (query_slot + query_len - 1))[None]
+    positions = torch.where(slots[None] < query_slot, before, after)
+    inside = (slots >= query_slot) & (slots < query_slot + query_len)
+    if bool(inside.any()):
+        first = int(torch.nonzero(inside)[0])
+        positions = positions.clone()
+        count = int(inside.sum())
+        start = int(slots[first]) - query_slot
+        positions[:, first : first + count] = query_positions[:, start : start + count].expand(batch, -1)
+    return positions
 
 
 def _mask_reader(attention_mask, query_len: int, key_len: int, query_positions, key_positions):

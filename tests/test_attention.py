@@ -86,6 +86,11 @@ def naive_attention_factory(position_fn, theta: torch.Tensor, logn: bool = False
 
 def reference_logits(model, ids, position_fn, logn=False):
     """Logits of the unpatched model with the naive attention plugged in under a test-only name."""
+    return reference_logits_at(model, ids, None, position_fn, logn)
+
+
+def reference_logits_at(model, ids, positions, position_fn, logn=False):
+    """:func:`reference_logits` with explicit position ids (``position_fn`` then works on indices)."""
     rope = model.config.rope_parameters
     head_dim = model.model.layers[0].self_attn.head_dim
     theta = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
@@ -96,7 +101,7 @@ def reference_logits(model, ids, position_fn, logn=False):
     model.config._attn_implementation = name
     try:
         with torch.no_grad():
-            return model(ids).logits
+            return model(ids, position_ids=positions).logits
     finally:
         model.config._attn_implementation = previous
         del AttentionInterface._global_mapping[name]
@@ -333,3 +338,117 @@ def test_unsupported_attention_implementation_is_refused():
     with pytest.raises(ValueError, match="attn_implementation"):
         patch_model(model, scale=4, method="self-extend")
     assert get_patch_info(model) is None
+
+
+def test_position_ids_with_a_gap_are_honoured():
+    """Keys take the positions of their own tokens, also when the position ids jump."""
+    model = make_model("llama", attn_implementation="sdpa")
+    ids = random_ids(40)
+    positions = torch.cat((torch.arange(20), torch.arange(80, 100)))[None]
+    group, window = 6, 8
+
+    def position_fn(i, j):
+        pq, pk = self_extend_positions(int(positions[0, i]), int(positions[0, j]), group, window)
+        return pq - int(positions[0, i]) + i, pk - int(positions[0, j]) + j  # same shifts, at index coordinates
+
+    expected = reference_logits_at(model, ids, positions, position_fn)
+    patch_model(model, scale=4, method="self-extend", group_size=group, neighbor_window=window)
+    with torch.no_grad():
+        actual = model(ids, position_ids=positions).logits
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_real_model_at_12k_self_extend_keeps_the_loss_beyond_8k_near_its_in_context_level():
+    """SmolLM2-135M (native 8192): one 12,288-token forward of a novel, unpatched and with self-extend x2."""
+    from pathlib import Path
+
+    from hf_rope_ext.data import read_text, tokenize
+    from hf_rope_ext.evaluation.perplexity import bucket_perplexity
+    from hf_rope_ext.loading import load_model
+
+    book = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pg84.txt"
+    if not book.is_file():
+        pytest.skip(f"{book} not found")
+    try:
+        model, tokenizer = load_model("smollm2", device="cpu")
+    except (FileNotFoundError, ImportError) as error:
+        pytest.skip(f"SmolLM2 unavailable: {error}")
+    ids = tokenize(tokenizer, read_text(book))
+    edges = [0, 4096, 8192, 12288]
+
+    def ppl_by_range():
+        with torch.no_grad():
+            result = bucket_perplexity(model, [ids], 12288, boundaries=edges)
+        return [math.exp(total / count) for total, count in zip(result.nll_sums, result.token_counts)]
+
+    unpatched = ppl_by_range()
+    patch_model(model, 2, "self-extend")
+    try:
+        extended = ppl_by_range()
+    finally:
+        unpatch_model(model)
+    print(f"\nppl 0-4k / 4k-8k / 8k-12k: unpatched {unpatched}, self-extend x2 {extended}")
+    assert extended[:2] == pytest.approx(unpatched[:2], rel=1e-3)  # inside the native context: the same model
+    assert unpatched[2] > 1.25 * extended[2]  # the unpatched model degrades beyond 8192 ...
+    assert extended[2] < 1.15 * extended[1]  # ... self-extend stays near its own 4k-8k level
+
+
+def test_gradients_match_the_reference():
+    """Fine-tuning through self-extend: the backward pass of the chunked kernel equals autograd through the reference."""
+    ids = random_ids(LENGTH)
+    reference = make_model("llama", attn_implementation="sdpa").train()
+    theta_fn = lambda i, j: self_extend_positions(i, j, 6, 8)  # noqa: E731
+
+    # the reference's loss, with its attention plugged in under a test-only name
+    head_dim = reference.model.layers[0].self_attn.head_dim
+    theta = 1.0 / reference.config.rope_parameters["rope_theta"] ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    )
+    AttentionInterface.register("test_naive_grad", naive_attention_factory(theta_fn, theta))
+    AttentionMaskInterface.register("test_naive_grad", AttentionMaskInterface._global_mapping["sdpa"])
+    reference.config._attn_implementation = "test_naive_grad"
+    try:
+        reference(ids, labels=ids).loss.backward()
+    finally:
+        reference.config._attn_implementation = "sdpa"
+        del AttentionInterface._global_mapping["test_naive_grad"]
+        del AttentionMaskInterface._global_mapping["test_naive_grad"]
+
+    patched = make_model("llama", attn_implementation="sdpa").train()
+    patch_model(patched, scale=4, method="self-extend", group_size=6, neighbor_window=8)
+    patched(ids, labels=ids).loss.backward()
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), patched.named_parameters()):
+        scale = expected.grad.abs().max()
+        assert (actual.grad - expected.grad).abs().max() <= 1e-4 * scale, (name, (actual.grad - expected.grad).abs().max(), scale)
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "yarn+logn"])
+def test_saved_checkpoint_loads_back_into_the_same_patch(method, tmp_path):
+    from hf_rope_ext.hub import load_patched, save_patched
+
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method=method)
+    ids = random_ids(LENGTH)
+    with torch.no_grad():
+        expected = model(ids).logits
+    save_patched(model, tmp_path / "checkpoint")
+    loaded = load_patched(tmp_path / "checkpoint", attn_implementation="sdpa")
+    info = get_patch_info(loaded)
+    assert (info.method, info.logn_attention) == (method.removesuffix("+logn"), method.endswith("+logn"))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, expected)
+
+
+def test_explicit_path_equals_fused_kernel_path():
+    """Training (and non-CPU devices) use an explicit float32 computation; it equals the fused CPU kernel."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 4, 70, 16), torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
+    positions = torch.arange(70)[None]
+    theta = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    common = dict(query_positions=positions, key_positions=positions, allowed=lambda a, b: None,
+                  remap=attention_level.DualChunkRemap(20, 4, L0), inv_freq=theta, scaling=0.25, query_chunk=16)
+    with torch.no_grad():
+        fused = attention_level.remapped_attention(query, key, value, **common)
+    explicit = attention_level.remapped_attention(query.requires_grad_(), key, value, **common)
+    torch.testing.assert_close(explicit.detach(), fused, atol=1e-5, rtol=1e-5)
