@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import math
+import resource
 import time
 from pathlib import Path
 
@@ -99,7 +100,9 @@ def main() -> None:
                 unpatch_model(model)
         ppl = [math.exp(total / count) for total, count in zip(result.nll_sums, result.token_counts)]
         record = {"key": key, "config": spec, "scale": args.scale, "length": args.length, "edges": edges,
-                  "ppl": ppl, "seconds": seconds}
+                  "ppl": ppl, "seconds": seconds,
+                  # the process's peak resident memory so far (Linux: KiB), an upper bound for this forward
+                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
         with results_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
         logger.info("%s: %s (%.0f s)", spec, ", ".join(f"{p:.2f}" for p in ppl), seconds)

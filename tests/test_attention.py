@@ -452,3 +452,27 @@ def test_explicit_path_equals_fused_kernel_path():
         fused = attention_level.remapped_attention(query, key, value, **common)
     explicit = attention_level.remapped_attention(query.requires_grad_(), key, value, **common)
     torch.testing.assert_close(explicit.detach(), fused, atol=1e-5, rtol=1e-5)
+
+
+def test_evaluation_never_reuses_plain_results_for_attention_level_methods(tmp_path):
+    """Their frequencies are the original ones: the evaluation's reuse of identical cases must look further."""
+    from hf_rope_ext.evaluation.runner import EvalPlan, run_evaluation
+
+    from test_evaluation import CharTokenizer
+
+    model = make_model("llama", attn_implementation="sdpa")
+    documents = {"doc": random_ids(80)[0]}
+    plan = EvalPlan(methods=["none", "self-extend", "self-extend+logn", "dual-chunk"], scales=[2.0], ppl_lengths=[24, 64],
+                    ppl_modes=["buckets"], bucket_size=8, retrieval_tasks=[], chunk_size=16)
+    records = run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False)
+    by_case = {(r["method"], r["context_length"]): r for r in records}
+    for method in ("self-extend", "self-extend+logn", "dual-chunk"):
+        # inside the native context: the unpatched model, reused; beyond it: computed
+        assert by_case[(method, 24)]["reused_from"]["method"] == "none"
+        assert by_case[(method, 64)]["reused_from"] is None
+        assert by_case[(method, 64)]["ppl"] != by_case[("none", 64)]["ppl"]
+    patch_model(model, 2.0, "self-extend")
+    from hf_rope_ext.evaluation.perplexity import bucket_perplexity
+
+    expected = bucket_perplexity(model, [documents["doc"]], 64, bucket_size=8, chunk_size=16).ppl
+    assert by_case[("self-extend", 64)]["ppl"] == pytest.approx(expected, rel=1e-6)

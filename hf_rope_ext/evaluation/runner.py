@@ -253,11 +253,12 @@ class EvalPlan:
         if not self.methods:
             raise EvaluationError("No methods given; use e.g. --methods none,yarn,dynamic-yarn.")
         known = list(list_methods())
-        unknown = [method for method in self.methods if method != NONE_METHOD and method not in known]
+        # a "+logn" suffix adds log-n attention to any method (see patch_model)
+        unknown = [method for method in self.methods if method != NONE_METHOD and method.removesuffix("+logn") not in known]
         if unknown:
             raise EvaluationError(
                 f"Unknown method(s) {', '.join(map(repr, unknown))}. Known: {NONE_METHOD} (the unpatched model), "
-                f"{', '.join(known)}."
+                f"{', '.join(known)}, each optionally with '+logn'."
             )
         steps = self.steps_per_doubling
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
@@ -344,14 +345,18 @@ class EvalPlan:
 def rope_fingerprint(model: nn.Module, length: int) -> str:
     """A short hash of the rotary frequencies ``model`` uses for a ``length``-token input.
 
-    ``"original"`` for the model's own RoPE: unpatched, or a length-dependent method inside the
-    native context (where it calls the original module).
+    ``"original"`` for the model's own RoPE: unpatched, or a length-dependent or attention-level
+    method inside the native context (where it calls the original module). Attention-level
+    methods and log-n attention add their position remap and temperature to the hash.
     """
     rotary = next((module for module in model.modules() if isinstance(module, ExtendedRotaryEmbedding)), None)
-    if rotary is None or (rotary.method.length_dependent and length <= rotary.original_max_seq_len):
+    inside = rotary is not None and length <= rotary.original_max_seq_len
+    if rotary is None or (inside and (rotary.method.length_dependent or rotary.method.attention is not None)):
         return "original"
     inv_freq, attention_factor = rotary.frequencies(length)
-    digest = hashlib.sha1(inv_freq.double().numpy().tobytes() + repr(float(attention_factor)).encode())
+    attention = rotary.attention_patch
+    remap = "" if attention is None else f"{attention.remap!r} logn={attention.logn}"
+    digest = hashlib.sha1(inv_freq.double().numpy().tobytes() + repr(float(attention_factor)).encode() + remap.encode())
     return digest.hexdigest()[:16]
 
 
