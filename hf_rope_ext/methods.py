@@ -231,13 +231,31 @@ def dynamic_yarn_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any
     return _yarn_inv_freq(rotary_dim, base, scale, params), float(attention_factor)
 
 
-def original_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
-    """The trained frequencies, unchanged: ``theta'_i = theta_i``, attention factor 1.
+def attention_level_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """Frequencies of the attention-level methods (``self-extend``, ``dual-chunk``).
 
-    The frequencies of the attention-level methods (``self-extend``, ``dual-chunk``), which
-    keep every trained rotation and remap relative positions inside attention instead.
+    By default the trained ones, unchanged (``theta'_i = theta_i``, attention factor 1): these
+    methods keep every trained rotation and remap relative positions inside attention. With
+    ``frequencies="yarn"`` (or another static frequency method, at the patch's scale and with
+    that method's default parameters) they combine both, as DCA does with position
+    interpolation (ChunkLlama) and with YaRN (Qwen2.5-1M).
     """
-    return default_inv_freq(rotary_dim, base), 1.0
+    name = params.get("frequencies")
+    if name is None:
+        return default_inv_freq(rotary_dim, base), 1.0
+    method = get_method(name)
+    inner = {**method.defaults, **{key: params[key] for key in COMMON_PARAMS}}
+    return method.compute(rotary_dim, base, inner, None)
+
+
+def _check_frequencies(rotary_dim: int, params: Mapping[str, Any]) -> None:
+    name = params.get("frequencies")
+    if name is None:
+        return
+    allowed = [key for key, method in _REGISTRY.items() if not method.length_dependent and method.attention is None
+               and not any(value is REQUIRED for value in method.defaults.values())]  # fmt: skip
+    if name not in allowed:
+        raise ValueError(f"frequencies={name!r} is not a static frequency method; use None (the trained ones) or one of {allowed}.")
 
 
 def dynamic_linear_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
@@ -552,15 +570,17 @@ for _method in (
     ),
     RopeMethod(
         "self-extend",
-        original_inv_freq,
-        defaults={"group_size": None, "neighbor_window": None},
+        attention_level_inv_freq,
+        defaults={"group_size": None, "neighbor_window": None, "frequencies": None},
+        validate=_check_frequencies,
         summary="Self-Extend: trained positions within a neighbour window, grouped (floor(p/G)) positions beyond.",
         attention=lambda params: _attention().self_extend_remap(params),
     ),
     RopeMethod(
         "dual-chunk",
-        original_inv_freq,
-        defaults={"chunk_size": None, "local_window": None},
+        attention_level_inv_freq,
+        defaults={"chunk_size": None, "local_window": None, "frequencies": None},
+        validate=_check_frequencies,
         summary="Dual Chunk Attention: intra-, successive- and inter-chunk positions, all within the trained context.",
         attention=lambda params: _attention().dual_chunk_remap(params),
     ),

@@ -153,6 +153,14 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.attention_scaling = initial.attention_factor
         self._current = initial
 
+    @property
+    def original_inside_context(self) -> bool:
+        """True when inputs inside the original context get the unpatched model's RoPE: length-dependent
+        methods, and attention-level methods that keep the trained frequencies."""
+        return self.method.length_dependent or (
+            self.method.attention is not None and self.params.get("frequencies") is None
+        )
+
     # -- frequencies -------------------------------------------------------------------------
 
     def frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
@@ -221,7 +229,7 @@ class ExtendedRotaryEmbedding(nn.Module):
             attention_factor = freqs.attention_factor
             self._current, self.attention_scaling = freqs, attention_factor
         else:
-            if self.method.attention is not None and int(position_ids.max()) < self.original_max_seq_len:
+            if self.original_inside_context and int(position_ids.max()) < self.original_max_seq_len:
                 # Attention-level methods keep the trained frequencies: inside the original context
                 # the original module gives the unpatched model's outputs bitwise.
                 return self.original_rotary(x, position_ids)

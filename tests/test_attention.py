@@ -18,7 +18,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from hf_rope_ext import get_patch_info, patch_model, unpatch_model
 from hf_rope_ext import attention as attention_level
 
-from conftest import FAMILIES, ORIGINAL_CONTEXT, make_model, random_ids
+from conftest import ORIGINAL_CONTEXT, make_model, native_twin, random_ids
 
 L0 = ORIGINAL_CONTEXT
 LENGTH = 100  # > 3 x L0
@@ -89,11 +89,13 @@ def reference_logits(model, ids, position_fn, logn=False):
     return reference_logits_at(model, ids, None, position_fn, logn)
 
 
-def reference_logits_at(model, ids, positions, position_fn, logn=False):
-    """:func:`reference_logits` with explicit position ids (``position_fn`` then works on indices)."""
+def reference_logits_at(model, ids, positions, position_fn, logn=False, theta=None):
+    """:func:`reference_logits` with explicit position ids (``position_fn`` then works on indices);
+    ``theta`` are the frequencies the model's rotary module uses (default: plain RoPE)."""
     rope = model.config.rope_parameters
     head_dim = model.model.layers[0].self_attn.head_dim
-    theta = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if theta is None:
+        theta = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     name = "test_naive_reference"
     AttentionInterface.register(name, naive_attention_factory(position_fn, theta, logn))
     AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping["sdpa"])
@@ -476,3 +478,27 @@ def test_evaluation_never_reuses_plain_results_for_attention_level_methods(tmp_p
 
     expected = bucket_perplexity(model, [documents["doc"]], 64, bucket_size=8, chunk_size=16).ppl
     assert by_case[("self-extend", 64)]["ppl"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_dual_chunk_on_yarn_frequencies_matches_reference():
+    """Combined with a frequency method (as Qwen2.5-1M runs DCA with YaRN): transformers' own yarn rotary
+    module plus the naive dual-chunk attention over yarn's frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model = make_model("qwen2", attn_implementation="sdpa")
+    ids = random_ids(LENGTH)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L0}
+    twin = native_twin(model, yarn, max_position_embeddings=4 * L0)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["yarn"](twin.config, "cpu")
+    expected = reference_logits_at(twin, ids, None, lambda i, j: dual_chunk_positions(i, j, 20, 4), theta=inv_freq.double())
+    patch_model(model, scale=4, method="dual-chunk", chunk_size=20, local_window=4, frequencies="yarn")
+    with torch.no_grad():
+        actual = model(ids).logits
+    torch.testing.assert_close(actual, expected, atol=5e-5, rtol=1e-4)
+
+
+def test_frequencies_must_name_a_static_frequency_method():
+    model = make_model("llama")
+    for bad in ("dynamic-yarn", "self-extend", "longrope", "nope", 3):
+        with pytest.raises(ValueError, match="not a static frequency method"):
+            patch_model(model, scale=4, method="self-extend", frequencies=bad)

@@ -351,7 +351,7 @@ def rope_fingerprint(model: nn.Module, length: int) -> str:
     """
     rotary = next((module for module in model.modules() if isinstance(module, ExtendedRotaryEmbedding)), None)
     inside = rotary is not None and length <= rotary.original_max_seq_len
-    if rotary is None or (inside and (rotary.method.length_dependent or rotary.method.attention is not None)):
+    if rotary is None or (inside and rotary.original_inside_context):
         return "original"
     inv_freq, attention_factor = rotary.frequencies(length)
     attention = rotary.attention_patch
