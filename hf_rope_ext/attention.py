@@ -88,7 +88,8 @@ class PositionRemap:
 
     original_length: int
 
-    def regimes(self) -> list[Regime]:
+    def regimes(self, max_position: int) -> list[Regime]:
+        """The regimes needed for queries up to ``max_position``."""
         raise NotImplementedError
 
     def max_distance(self, length: int) -> int:
@@ -107,17 +108,40 @@ class SelfExtendRemap(PositionRemap):
         P_q = i,                            P_k = j          if i - j < W   (neighbour)
         P_q = floor(i / G) + W - floor(W / G),  P_k = floor(j / G)   otherwise  (grouped)
 
-    The longest distance seen at length ``L`` is about ``W + (L - W) / G``, which must stay
-    below ``L0``. Queries at ``i < L0`` use plain attention (all their distances were trained).
+    The longest distance the query at ``i`` sees is ``floor(i / G) + W - floor(W / G)``, which
+    must stay below ``L0``. With ``group_size=None`` each query takes the smallest ``G >= 2``
+    that keeps it there, ``G(i)``, so nearby-enough far tokens are grouped as finely as the
+    trained context allows, at any length (the paper fixes one ``G`` for the target length).
+    Queries at ``i < L0`` use plain attention (all their distances were trained).
     """
 
-    group_size: int
+    group_size: int | None
     neighbor_window: int
     original_length: int
 
-    def regimes(self) -> list[Regime]:
-        G, W, L0 = self.group_size, self.neighbor_window, self.original_length
-        shift = W - W // G
+    def group_for(self, position: int) -> int:
+        """``G`` of the query at ``position`` (the fixed group size, or the smallest that fits)."""
+        if self.group_size is not None:
+            return self.group_size
+        W, L0 = self.neighbor_window, self.original_length
+        group = 2
+        while position // group + W - W // group >= L0:
+            group += 1
+        return group
+
+    def _groups(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.group_size is not None:
+            return torch.full_like(positions, self.group_size)
+        # G(p) is non-decreasing in p: count the group sizes that are still too small
+        last = int(positions.max())
+        groups = torch.full_like(positions, 2)
+        for group in range(2, self.group_for(max(last, 0))):
+            too_small = torch.div(positions, group, rounding_mode="floor") + (self.neighbor_window - self.neighbor_window // group) >= self.original_length
+            groups = torch.where(too_small & (groups == group), group + 1, groups)
+        return groups
+
+    def regimes(self, max_position: int) -> list[Regime]:
+        W, L0 = self.neighbor_window, self.original_length
 
         def near(pq: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
             return (pq - pk < W) | (pq < L0)
@@ -125,23 +149,30 @@ class SelfExtendRemap(PositionRemap):
         def near_status(q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> int:
             return _status(q_hi < L0 or q_hi - k_lo < W, q_lo >= L0 and q_lo - k_hi >= W)
 
-        def far_status(q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> int:
-            return {FULL: SKIP, SKIP: FULL, PARTIAL: PARTIAL}[near_status(q_lo, q_hi, k_lo, k_hi)]
+        def grouped(group: int) -> Regime:
+            def select(pq: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
+                return ~near(pq, pk) & (self._groups(pq) == group)
 
-        return [
-            Regime("neighbor", None, None, near, near_status),
-            Regime(
-                "grouped",
-                lambda p: torch.div(p, G, rounding_mode="floor") + shift,
-                lambda p: torch.div(p, G, rounding_mode="floor"),
-                lambda pq, pk: ~near(pq, pk),
-                far_status,
-            ),
-        ]
+            def status(q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> int:
+                far = {FULL: SKIP, SKIP: FULL, PARTIAL: PARTIAL}[near_status(q_lo, q_hi, k_lo, k_hi)]
+                lo, hi = self.group_for(max(q_lo, L0)), self.group_for(max(q_hi, L0))
+                return _both(far, _status(lo == hi == group, group < lo or group > hi))
+
+            return Regime(
+                f"grouped/{group}",
+                lambda p: torch.div(p, group, rounding_mode="floor") + (W - W // group),
+                lambda p: torch.div(p, group, rounding_mode="floor"),
+                select,
+                status,
+            )
+
+        first = self.group_for(L0)
+        last = self.group_for(max(max_position, L0))
+        return [Regime("neighbor", None, None, near, near_status)] + [grouped(g) for g in range(first, last + 1)]
 
     def max_distance(self, length: int) -> int:
-        G, W = self.group_size, self.neighbor_window
         last = length - 1
+        G, W = self.group_for(last), self.neighbor_window
         return max(min(last, W - 1), last // G + W - W // G)
 
 
@@ -166,7 +197,7 @@ class DualChunkRemap(PositionRemap):
     local_window: int
     original_length: int
 
-    def regimes(self) -> list[Regime]:
+    def regimes(self, max_position: int) -> list[Regime]:
         s, w, L0 = self.chunk_size, self.local_window, self.original_length
 
         def chunk(p: torch.Tensor) -> torch.Tensor:
@@ -231,8 +262,8 @@ def default_neighbor_window(original_length: int) -> int:
 def self_extend_remap(params: Mapping[str, Any]) -> SelfExtendRemap:
     """The :class:`SelfExtendRemap` of resolved ``patch_model`` parameters, checked.
 
-    ``neighbor_window`` defaults to :func:`default_neighbor_window`; ``group_size`` to the
-    smallest group that keeps every distance below ``L0`` at the target length ``ceil(L0 * s)``.
+    ``neighbor_window`` defaults to :func:`default_neighbor_window`; ``group_size=None`` (the
+    default) lets each query take the smallest group that keeps its distances below ``L0``.
     """
     original = int(params["original_max_position_embeddings"])
     target = int(math.ceil(original * params["factor"]))
@@ -244,20 +275,17 @@ def self_extend_remap(params: Mapping[str, Any]) -> SelfExtendRemap:
             f"got {window}; distances up to it keep their trained positions."
         )
     group = params.get("group_size")
-    if group is None:
-        group = 2
-        while SelfExtendRemap(group, window, original).max_distance(target) >= original:
-            group += 1
-    group = _whole_number(group, "group_size", "self-extend")
-    if group < 2:
-        raise ValueError(f"self-extend: group_size must be at least 2 (1 would not group anything), got {group}.")
+    if group is not None:
+        group = _whole_number(group, "group_size", "self-extend")
+        if group < 2:
+            raise ValueError(f"self-extend: group_size must be at least 2 (1 would not group anything), got {group}.")
     remap = SelfExtendRemap(group, window, original)
     if remap.max_distance(target) >= original:
         needed = math.ceil((target - window) / (original - window)) + 1
         raise ValueError(
             f"self-extend: group_size={group} with neighbor_window={window} reaches distance "
             f"{remap.max_distance(target)} at {target} tokens, beyond the trained {original}; use group_size >= {needed} "
-            "or a smaller neighbor_window (or leave group_size unset to derive it)."
+            "or a smaller neighbor_window (or leave group_size unset: each query then takes the smallest that fits)."
         )
     return remap
 
@@ -416,7 +444,10 @@ def remapped_attention(
     query_positions = query_positions.expand(batch, -1)
     key_positions = key_positions.expand(batch, -1)
     inv_freq = inv_freq.to(query.device)
-    regimes = remap.regimes() if remap is not None else [Regime("plain", None, None, lambda pq, pk: pk <= pq)]
+    regimes = (
+        remap.regimes(int(query_positions.max())) if remap is not None
+        else [Regime("plain", None, None, lambda pq, pk: pk <= pq)]
+    )
     rotated_keys = []
     for regime in regimes:
         keys = key if regime.key_position is None else _rotate(key, regime.key_position(key_positions) - key_positions, inv_freq)

@@ -29,10 +29,14 @@ LENGTH = 100  # > 3 x L0
 # ----------------------------------------------------------------------------------------------
 
 
-def self_extend_positions(i: int, j: int, group: int, window: int) -> tuple[int, int]:
-    """Jin et al. 2024, eq. (3)-(4) / LongLM's code; plain attention for queries inside L0."""
+def self_extend_positions(i: int, j: int, group: int | None, window: int) -> tuple[int, int]:
+    """Jin et al. 2024, eq. (3)-(4) / LongLM's code; plain attention for queries inside L0.
+    ``group=None``: the query's own group, the smallest whose farthest position difference
+    (to the key at position 0) stays below L0."""
     if i - j < window or i < L0:
         return i, j
+    if group is None:
+        group = next(g for g in range(2, i + 2) if i // g + window - window // g < L0)
     return i // group + window - window // group, j // group
 
 
@@ -287,16 +291,20 @@ def test_two_models_keep_their_own_settings():
 # ----------------------------------------------------------------------------------------------
 
 
-def test_default_group_size_is_the_smallest_that_fits():
-    model = make_model("llama")
-    for scale in (2, 4, 8):
-        patch_model(model, scale=scale, method="self-extend", neighbor_window=8)
-        remap = next(m for n, m in model.named_modules() if hasattr(m, "attention_patch")).attention_patch.remap
-        target = math.ceil(L0 * scale)
-        group = remap.group_size
-        # closed form: W + (L - 1 - W) / G with floor rounding stays below L0, and G - 1 would not
-        assert (target - 1) // group + 8 - 8 // group < L0
-        assert group == 2 or (target - 1) // (group - 1) + 8 - 8 // (group - 1) >= L0
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_self_extend_with_a_group_size_per_query_matches_naive_reference(family, implementation):
+    """The default group_size=None: every query groups as finely as the trained context allows."""
+    model = make_model(family, attn_implementation=implementation)
+    ids = random_ids(LENGTH)
+    expected = reference_logits(model, ids, lambda i, j: self_extend_positions(i, j, None, 8))
+    patch_model(model, scale=4, method="self-extend", neighbor_window=8)
+    with torch.no_grad():
+        actual = model(ids).logits
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+    longest = max(pq - pk for i in range(LENGTH) for j in range(i + 1) for pq, pk in [self_extend_positions(i, j, None, 8)])
+    assert longest == L0 - 1  # the finest grouping reaches the edge of the trained distances, never beyond
+    groups = {next(g for g in range(2, i + 2) if i // g + 8 - 8 // g < L0) for i in range(L0, LENGTH)}
+    assert groups == {2, 3, 4}  # several group sizes in one call: one regime each
 
 
 @pytest.mark.parametrize(
