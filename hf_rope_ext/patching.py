@@ -158,11 +158,26 @@ def _original_length(config: Any, original_max_length: Any) -> int:
     return _check_length(value, "config.max_position_embeddings")
 
 
+def _rounding_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """``(rtol, atol)`` within which a frequency buffer of ``dtype`` equals the exact values."""
+    if dtype in (torch.float32, torch.float64):
+        return 1e-5, 0.0
+    info = torch.finfo(dtype)
+    # Round-to-nearest is within eps / 2 relatively, and within tiny * eps / 2 for subnormals.
+    return info.eps, info.tiny * info.eps
+
+
 def _verify_layout(module: nn.Module, rotary_dim: int, base: float, model_type: str) -> None:
-    """Check that the module computes plain RoPE as ``cat(freqs, freqs)`` from ``rope_theta``."""
-    original = getattr(module, "original_inv_freq", module.inv_freq).detach().double().cpu()
+    """Check that the module computes plain RoPE as ``cat(freqs, freqs)`` from ``rope_theta``.
+
+    ``model.half()`` / ``model.to(torch.bfloat16)`` round the module's frequency buffers to that
+    dtype, so they are compared within its rounding; the patch rebuilds them from ``rope_theta``.
+    """
+    buffer = getattr(module, "original_inv_freq", module.inv_freq)
+    original = buffer.detach().double().cpu()
     expected = default_inv_freq(rotary_dim, base)
-    if original.shape != expected.shape or not torch.allclose(original, expected, rtol=1e-5, atol=0):
+    rtol, atol = _rounding_tolerance(buffer.dtype)
+    if original.shape != expected.shape or not torch.allclose(original, expected, rtol=rtol, atol=atol):
         raise ValueError(
             f"model_type {model_type!r}: the rotary module's frequencies are not plain RoPE with "
             f"rope_theta={base} over {rotary_dim} dimensions; this layout is not supported."
@@ -180,7 +195,8 @@ def _verify_layout(module: nn.Module, rotary_dim: int, base: float, model_type: 
         ) from error
     angles = positions[..., None].double() * expected.to(device)
     reference = torch.cat((angles, angles), dim=-1)
-    if cos.shape[-1] != rotary_dim or not torch.allclose(cos.double(), reference.cos(), atol=1e-5):
+    # Angles up to 7 * inv_freq (<= 7 rad): their error is at most 7 times the frequencies' rounding.
+    if cos.shape[-1] != rotary_dim or not torch.allclose(cos.double(), reference.cos(), atol=1e-5 + 8 * rtol):
         raise ValueError(
             f"model_type {model_type!r}: its rotary module does not return cos/sin laid out as cat(freqs, freqs) "
             "(rotate-half); interleaved or other layouts are not supported."
