@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from . import compat
-from .methods import COMMON_PARAMS, RopeMethod, get_method, is_builtin, list_methods, resolve_params
+from .methods import COMMON_PARAMS, RopeMethod, checked_frequencies, get_method, is_builtin, list_methods, resolve_params
 from .rotary import effective_length
 
 logger = logging.getLogger(__name__)
@@ -375,8 +375,8 @@ def _transformers_init_function(rope_type: str):
         length = effective_length(
             seq_len, params["original_max_position_embeddings"], steps, method.length_dependent
         )
-        inv_freq, attention_factor = method.compute(rotary_dim, rope["rope_theta"], params, length)
-        return torch.as_tensor(inv_freq).to(device=device, dtype=torch.float32), attention_factor
+        inv_freq, attention_factor = checked_frequencies(method, rotary_dim, rope["rope_theta"], params, length)
+        return inv_freq.to(device=device, dtype=torch.float32), attention_factor
 
     compute_rope_parameters.__name__ = f"compute_{_normalized_rope_type(rope_type).replace('.', '_').replace('-', '_')}"
     return compute_rope_parameters

@@ -336,6 +336,48 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def checked_frequencies(
+    method: RopeMethod, rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None
+) -> tuple[torch.Tensor, float]:
+    """``method.compute(...)``, checked: ``(inv_freq float64 on CPU, attention_factor float)``.
+
+    A method's output is refused, naming the method and the length, unless it is a pair of
+    ``rotary_dim // 2`` real (not integer or complex) frequencies, all finite and > 0, and a
+    finite attention factor > 0: anything else would make the model output NaN or garbage.
+    """
+    where = f"RoPE method {method.name!r} (at {'the original context' if seq_len is None else f'length {seq_len}'})"
+    result = method.compute(rotary_dim, base, params, seq_len)
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise ValueError(
+            f"{where} returned {'None' if result is None else 'a ' + type(result).__name__}; a method must return the pair "
+            "(inv_freq, attention_factor)."
+        )
+    inv_freq, attention_factor = result
+    if isinstance(inv_freq, torch.Tensor) and not inv_freq.is_floating_point():
+        raise ValueError(f"{where} returned inv_freq of dtype {inv_freq.dtype}; it must be a floating-point tensor.")
+    try:
+        inv_freq = torch.as_tensor(inv_freq, dtype=torch.float64).detach().cpu()
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{where} returned inv_freq that is not a tensor of real numbers ({error}).") from None
+    if inv_freq.shape != (rotary_dim // 2,):
+        raise ValueError(
+            f"{where} returned inv_freq of shape {tuple(inv_freq.shape)}, expected ({rotary_dim // 2},) "
+            f"(rotary dimension {rotary_dim} / 2)."
+        )
+    bad = ~(torch.isfinite(inv_freq) & (inv_freq > 0))
+    if bad.any():
+        index = int(bad.nonzero()[0])
+        raise ValueError(
+            f"{where} returned inv_freq[{index}] = {inv_freq[index].item()!r}; every frequency must be finite and > 0."
+        )
+    if not (_is_real(attention_factor) or (isinstance(attention_factor, torch.Tensor) and attention_factor.numel() == 1)):
+        raise ValueError(f"{where} returned attention factor {attention_factor!r}; it must be a number.")
+    attention_factor = float(attention_factor)
+    if not (math.isfinite(attention_factor) and attention_factor > 0):
+        raise ValueError(f"{where} returned attention factor {attention_factor!r}; it must be finite and > 0.")
+    return inv_freq, attention_factor
+
+
 # ----------------------------------------------------------------------------------------------
 # Registry
 # ----------------------------------------------------------------------------------------------

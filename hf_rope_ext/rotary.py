@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .methods import RopeMethod, default_inv_freq
+from .methods import RopeMethod, checked_frequencies, default_inv_freq
 
 logger = logging.getLogger(__name__)
 
@@ -172,14 +172,8 @@ class ExtendedRotaryEmbedding(nn.Module):
         key = self.effective_length(seq_len)
         cached = self._frequencies.get(key)
         if cached is None:
-            inv_freq, attention_factor = self.method.compute(self.rotary_dim, self.base, self.params, key)
-            inv_freq = torch.as_tensor(inv_freq, dtype=torch.float64).detach().cpu()
-            if inv_freq.shape != (self.rotary_dim // 2,):
-                raise ValueError(
-                    f"Method {self.method.name!r} returned inv_freq of shape {tuple(inv_freq.shape)}, "
-                    f"expected ({self.rotary_dim // 2},)."
-                )
-            cached = _Frequencies(inv_freq, float(attention_factor))
+            inv_freq, attention_factor = checked_frequencies(self.method, self.rotary_dim, self.base, self.params, key)
+            cached = _Frequencies(inv_freq, attention_factor)
             if len(self._frequencies) >= 64:  # token-exact lengths visit many values; keep the newest
                 self._frequencies.pop(next(iter(self._frequencies)))
             self._frequencies[key] = cached
