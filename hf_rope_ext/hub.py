@@ -25,6 +25,7 @@ original model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -41,6 +42,7 @@ from torch import nn
 
 from . import compat, config_io
 from .config_io import RecordedPatch
+from .files import staging_dir
 from .methods import get_method, resolve_params
 from .patching import _check_length, _check_scale, find_rotary_module, get_patch_info, patch_model
 
@@ -138,8 +140,12 @@ def save_patched(
             recorded.steps_per_doubling,
         )
     target = Path(save_directory)
-    target.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{target} is a file; save_patched needs a folder (new or existing).")
+    # Folders created here are removed again if the save fails: the target is left as it was.
+    created = [folder for folder in (target.parent, *target.parent.parents) if not folder.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(target.parent, f".{target.name}.saving-")
     try:
         model.save_pretrained(staging, **save_kwargs)
         if tokenizer is not None:
@@ -154,12 +160,21 @@ def save_patched(
             (staging / "README.md").write_text(str(card))
         for asset in map(Path, card_assets):
             shutil.copyfile(asset, staging / asset.name)
-        written = {path.name for path in staging.iterdir()}
-        for stale in target.iterdir():
-            if _WEIGHT_FILES.match(stale.name) and stale.name not in written:
-                stale.unlink()
-        for path in staging.iterdir():
-            os.replace(path, target / path.name)
+        if not target.exists():
+            os.replace(staging, target)  # a new folder appears whole
+        else:
+            written = {path.name for path in staging.iterdir()}
+            for stale in target.iterdir():
+                if _WEIGHT_FILES.match(stale.name) and stale.name not in written:
+                    stale.unlink()
+            for path in staging.iterdir():
+                os.replace(path, target / path.name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for folder in created:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info(

@@ -476,7 +476,7 @@ def resolve_params(method: RopeMethod, rotary_dim: int, user_params: Mapping[str
             f"Parameters this method accepts: {valid}."
         )
     params = dict(method.defaults)
-    params.update(user_params)
+    params.update({key: plain_value(value) for key, value in user_params.items()})
     missing = [key for key, value in params.items() if value is REQUIRED]
     if missing:
         raise ValueError(f"Method {method.name!r} needs parameter(s) {missing}; pass them to patch_model.")
@@ -489,6 +489,24 @@ def resolve_params(method: RopeMethod, rotary_dim: int, user_params: Mapping[str
     if method.validate is not None:
         method.validate(rotary_dim, params)
     return params
+
+
+def plain_value(value: Any) -> Any:
+    """``value`` as plain Python: numpy and torch scalars become ``int``/``float``/``bool``,
+    arrays, tensors and tuples become lists of those (so a patch can be written as JSON)."""
+    if type(value) in (bool, int, float, str) or value is None:
+        return value
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":  # scalars and arrays alike
+        return plain_value(value.tolist()) if hasattr(value, "tolist") else value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return [plain_value(item) for item in value]
+    return value
 
 
 # Keyword arguments of patch_model, for "did you mean" hints on misspelled parameters.

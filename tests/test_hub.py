@@ -424,6 +424,36 @@ def test_failed_save_leaves_the_target_alone(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_failed_save_to_a_new_folder_leaves_nothing_behind(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    with pytest.raises(FileNotFoundError):
+        save_patched(model, tmp_path / "new" / "deeper" / "ckpt", card="x", card_assets=[tmp_path / "missing.png"])
+    assert list(tmp_path.iterdir()) == []  # no empty target (or parent) that load_patched would misread
+
+
+def test_numpy_parameters_are_plain_numbers_and_save(tmp_path):
+    import numpy as np
+
+    model = make_model("llama")
+    patch_model(model, scale=np.float32(4), method="yarn", beta_fast=np.float32(30), beta_slow=np.int64(2),
+                truncate=np.bool_(False))  # fmt: skip
+    info = get_patch_info(model)
+    assert type(info.scale) is float and info.params["beta_fast"] == 30.0
+    assert [type(info.params[key]) for key in ("beta_fast", "beta_slow", "truncate")] == [float, int, bool]
+    json.dumps(model.config.to_dict())  # what save_pretrained writes
+    patch_model(model, scale=4, method="longrope", long_factor=np.array(LONG_FACTOR, dtype=np.float32))
+    assert get_patch_info(model).params["long_factor"] == LONG_FACTOR
+    patch_model(model, scale=np.float32(4), method="yarn", beta_fast=np.float32(30))
+    target = save_patched(model, tmp_path / "ckpt")
+    reference = make_model("llama")
+    patch_model(reference, scale=4, method="yarn", beta_fast=30)
+    reloaded = load_patched(target, attn_implementation="eager").eval()
+    ids = random_ids(LENGTH)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, reference(ids).logits, rtol=0, atol=2e-5)
+
+
 class RecordingApi:
     """Stands in for huggingface_hub.HfApi: records what would be uploaded."""
 
