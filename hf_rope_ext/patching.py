@@ -158,26 +158,25 @@ def _original_length(config: Any, original_max_length: Any) -> int:
     return _check_length(value, "config.max_position_embeddings")
 
 
-def _rounding_tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    """``(rtol, atol)`` within which a frequency buffer of ``dtype`` equals the exact values."""
-    if dtype in (torch.float32, torch.float64):
-        return 1e-5, 0.0
-    info = torch.finfo(dtype)
-    # Round-to-nearest is within eps / 2 relatively, and within tiny * eps / 2 for subnormals.
-    return info.eps, info.tiny * info.eps
+# A model cast to fp16/bf16 (and perhaps back) carries frequencies rounded to that dtype, so they
+# are compared within the coarser rounding of the two: bfloat16's relative eps, and fp16's
+# subnormal spacing for tiny frequencies. Other layouts differ far more (scaled, other base,
+# partial or interleaved rotation).
+_FREQUENCY_RTOL = torch.finfo(torch.bfloat16).eps
+_FREQUENCY_ATOL = torch.finfo(torch.float16).tiny * torch.finfo(torch.float16).eps
 
 
 def _verify_layout(module: nn.Module, rotary_dim: int, base: float, model_type: str) -> None:
     """Check that the module computes plain RoPE as ``cat(freqs, freqs)`` from ``rope_theta``.
 
-    ``model.half()`` / ``model.to(torch.bfloat16)`` round the module's frequency buffers to that
-    dtype, so they are compared within its rounding; the patch rebuilds them from ``rope_theta``.
+    ``model.half()`` / ``model.to(torch.bfloat16)`` round the module's frequency buffers, so they
+    are compared within that rounding; the patch rebuilds them from ``rope_theta`` in full precision.
     """
-    buffer = getattr(module, "original_inv_freq", module.inv_freq)
-    original = buffer.detach().double().cpu()
+    original = getattr(module, "original_inv_freq", module.inv_freq).detach().double().cpu()
     expected = default_inv_freq(rotary_dim, base)
-    rtol, atol = _rounding_tolerance(buffer.dtype)
-    if original.shape != expected.shape or not torch.allclose(original, expected, rtol=rtol, atol=atol):
+    if original.shape != expected.shape or not torch.allclose(
+        original, expected, rtol=_FREQUENCY_RTOL, atol=_FREQUENCY_ATOL
+    ):
         raise ValueError(
             f"model_type {model_type!r}: the rotary module's frequencies are not plain RoPE with "
             f"rope_theta={base} over {rotary_dim} dimensions; this layout is not supported."
@@ -196,7 +195,8 @@ def _verify_layout(module: nn.Module, rotary_dim: int, base: float, model_type: 
     angles = positions[..., None].double() * expected.to(device)
     reference = torch.cat((angles, angles), dim=-1)
     # Angles up to 7 * inv_freq (<= 7 rad): their error is at most 7 times the frequencies' rounding.
-    if cos.shape[-1] != rotary_dim or not torch.allclose(cos.double(), reference.cos(), atol=1e-5 + 8 * rtol):
+    tolerance = 1e-5 + 8 * _FREQUENCY_RTOL
+    if cos.shape[-1] != rotary_dim or not torch.allclose(cos.double(), reference.cos(), atol=tolerance):
         raise ValueError(
             f"model_type {model_type!r}: its rotary module does not return cos/sin laid out as cat(freqs, freqs) "
             "(rotate-half); interleaved or other layouts are not supported."

@@ -193,6 +193,17 @@ def test_patch_cast_unpatch_equals_a_plain_cast(dtype):
         assert torch.equal(model(ids).logits, plain(ids).logits)
 
 
+def test_patching_after_a_cast_and_back():
+    model = make_model("llama").to(torch.bfloat16).to(torch.float32)  # frequencies keep bf16 rounding
+    patch_model(model, scale=4, method="yarn")
+    reference = make_model("llama").to(torch.bfloat16).to(torch.float32)
+    reference.model.rotary_emb = make_model("llama").model.rotary_emb  # the exact frequencies
+    patch_model(reference, scale=4, method="yarn")
+    ids = random_ids(3 * L0)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_frequencies_other_than_rope_are_refused_after_a_cast(dtype):
     model = make_model("llama").to(dtype)
