@@ -336,6 +336,49 @@ def verify_record(config: Any) -> RecordedPatch | None:
     return recorded
 
 
+def check_rope_spellings(raw: Mapping[str, Any], source: str) -> None:
+    """Refuse a checkpoint's config.json whose two spellings of the RoPE settings disagree.
+
+    ``raw`` is config.json as read from disk. :func:`hf_rope_ext.hub.save_patched` writes
+    ``rope_parameters`` and, for transformers 4.x, the legacy ``rope_scaling`` and top-level
+    ``rope_theta`` (and ``original_max_position_embeddings`` for longrope) beside it.
+    transformers 5 reads ``rope_scaling`` first, so an edit of one spelling alone would be
+    silently ignored (or take effect in one runtime only). Checked for configs this package
+    wrote (those with a ``hf_rope_ext`` record).
+    """
+    params = raw.get("rope_parameters")
+    if RECORD_ATTRIBUTE not in raw or not isinstance(params, Mapping) or "rope_scaling" not in raw:
+        return
+    legacy = raw["rope_scaling"]
+    expected = {key: value for key, value in params.items() if key != "rope_theta"}
+    problems = []
+    if params.get("rope_type", "default") == "default":
+        if legacy is not None:
+            problems.append(f"rope_parameters is plain RoPE, rope_scaling is {legacy!r}")
+    elif not isinstance(legacy, Mapping):
+        problems.append(f"rope_scaling is {legacy!r}, rope_parameters has rope_type {params.get('rope_type')!r}")
+    else:
+        legacy = dict(legacy)
+        if "type" in legacy and "rope_type" not in legacy:  # the oldest spelling
+            legacy["rope_type"] = legacy.pop("type")
+        for key in sorted(set(expected) | set(legacy)):
+            if _differences({key: expected.get(key)}, {key: legacy.get(key)}):
+                problems.append(
+                    f"{key} is {expected.get(key, 'missing')!r} in rope_parameters, "
+                    f"{legacy.get(key, 'missing')!r} in rope_scaling"
+                )
+    for key in ("rope_theta", "original_max_position_embeddings"):
+        if key in raw and key in params and _differences({key: params[key]}, {key: raw[key]}):
+            problems.append(f"{key} is {params[key]!r} in rope_parameters, {raw[key]!r} at the top level")
+    if problems:
+        raise ValueError(
+            f"{source}: config.json spells the RoPE settings twice and the two disagree ({'; '.join(problems)}). "
+            "transformers 5 reads rope_scaling first, so an edit of rope_parameters alone is ignored. Edit "
+            "rope_parameters, rope_scaling and the top-level rope_theta the same way, or delete rope_scaling and "
+            "the top-level rope_theta."
+        )
+
+
 def read_record(config: Any) -> dict[str, Any] | None:
     record = getattr(config, RECORD_ATTRIBUTE, None)
     return dict(record) if isinstance(record, Mapping) else None

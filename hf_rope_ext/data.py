@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections.abc import Iterator
@@ -53,8 +54,20 @@ def iter_dataset_texts(name: str, split: str = "test", text_field: str = "text",
         import datasets
     except ImportError as error:
         raise ImportError("Reading a dataset needs the datasets package: pip install datasets") from error
-    dataset = datasets.load_dataset(name, config, split=split, streaming=True)
-    for index, row in enumerate(dataset):
+    try:
+        dataset = datasets.load_dataset(name, config, split=split, streaming=True)
+        rows = iter(dataset)
+        first = next(rows, None)  # streaming datasets connect on the first row
+    except Exception as error:  # offline (ConnectionError), unknown name, wrong split or config, ...
+        message = " ".join(str(error).split()).rstrip(".")
+        raise OSError(
+            f"Dataset {name!r} (split {split!r}) could not be read: {type(error).__name__}: {message}. Datasets are "
+            "streamed from the Hugging Face Hub, which needs a network connection; pass local files with "
+            "--text-file instead."
+        ) from error
+    if first is None:
+        return
+    for index, row in enumerate(itertools.chain([first], rows)):
         if limit is not None and index >= limit:
             break
         if text_field not in row:

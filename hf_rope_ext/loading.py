@@ -82,10 +82,39 @@ def smollm2_checkpoint() -> Path:
     return target
 
 
+def is_missing_folder(name_or_path: str | os.PathLike) -> bool:
+    """True when ``name_or_path`` names a local folder that does not exist.
+
+    A name that does not exist locally is taken for a folder, not a Hub id (``org/name``), when
+    it is absolute, starts with ``.`` or ``~``, has more than one ``/``, or its parent folder
+    exists (``outputs/run`` with ``outputs/`` present).
+    """
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if path.exists():
+        return False
+    parent = path.parent
+    return (
+        text.startswith(("/", ".", "~"))
+        or text.count("/") > 1
+        or (os.sep != "/" and os.sep in text)
+        or (str(parent) not in ("", ".") and parent.is_dir())
+    )
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """``smollm2`` -> the cached local checkpoint; anything else unchanged."""
+    """``smollm2`` -> the cached local checkpoint; anything else unchanged.
+
+    Raises ``FileNotFoundError`` for a local folder that does not exist (rather than letting
+    transformers read it as a malformed Hub id).
+    """
     if name_or_path.lower() in SMOLLM2_ALIASES:
         return str(smollm2_checkpoint())
+    if is_missing_folder(name_or_path):
+        raise FileNotFoundError(
+            f"Model folder not found: {name_or_path}. Pass an existing checkpoint folder, 'smollm2', or a Hub id "
+            "(org/name)."
+        )
     return name_or_path
 
 

@@ -339,7 +339,8 @@ def _is_real(value: Any) -> bool:
 def checked_frequencies(
     method: RopeMethod, rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None
 ) -> tuple[torch.Tensor, float]:
-    """``method.compute(...)``, checked: ``(inv_freq float64 on CPU, attention_factor float)``.
+    """``method.compute(...)``, checked: ``(inv_freq float64 on CPU, attention_factor float)``
+    (inv_freq stays on the meta device when it was made there, with only its shape checked).
 
     A method's output is refused, naming the method and the length, unless it is a pair of
     ``rotary_dim // 2`` real (not integer or complex) frequencies, all finite and > 0, and a
@@ -356,7 +357,7 @@ def checked_frequencies(
     if isinstance(inv_freq, torch.Tensor) and not inv_freq.is_floating_point():
         raise ValueError(f"{where} returned inv_freq of dtype {inv_freq.dtype}; it must be a floating-point tensor.")
     try:
-        inv_freq = torch.as_tensor(inv_freq, dtype=torch.float64).detach().cpu()
+        inv_freq = torch.as_tensor(inv_freq, dtype=torch.float64).detach()
     except (TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"{where} returned inv_freq that is not a tensor of real numbers ({error}).") from None
     if inv_freq.shape != (rotary_dim // 2,):
@@ -364,8 +365,10 @@ def checked_frequencies(
             f"{where} returned inv_freq of shape {tuple(inv_freq.shape)}, expected ({rotary_dim // 2},) "
             f"(rotary dimension {rotary_dim} / 2)."
         )
-    bad = ~(torch.isfinite(inv_freq) & (inv_freq > 0))
-    if bad.any():
+    meta = inv_freq.device.type == "meta"  # from_pretrained builds models on the meta device: no values yet
+    inv_freq = inv_freq if meta else inv_freq.cpu()
+    bad = None if meta else ~(torch.isfinite(inv_freq) & (inv_freq > 0))
+    if bad is not None and bad.any():
         index = int(bad.nonzero()[0])
         raise ValueError(
             f"{where} returned inv_freq[{index}] = {inv_freq[index].item()!r}; every frequency must be finite and > 0."

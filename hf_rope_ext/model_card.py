@@ -506,9 +506,9 @@ def add_parser(subparsers) -> None:
 
 
 def _card_command(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
+    from .hub import read_checked_config
 
-    config = AutoConfig.from_pretrained(args.model_dir)
+    config = read_checked_config(args.model_dir)
     card, plots = render_model_card(
         config,
         base_model=args.base_model,
@@ -518,6 +518,11 @@ def _card_command(args: argparse.Namespace) -> int:
         license=args.license,
         template_path=args.template,
     )
-    output = write_model_card(card, args.output or Path(args.model_dir) / "README.md", plots)
+    destination = Path(args.output or Path(args.model_dir) / "README.md")
+    try:
+        output = write_model_card(card, destination, plots)
+    except OSError as error:
+        raise OSError(f"Cannot write the model card to {destination}: {error.strerror or error}. Pass a writable "
+                      "--output.") from error
     print(f"Wrote {output}" + (f" and {len(plots)} plot(s)" if plots else ""))
     return 0

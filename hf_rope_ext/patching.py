@@ -117,14 +117,22 @@ def _check_scale(scale: Any, name: str = "scale") -> float:
     return scale
 
 
-def _check_length(value: Any, name: str) -> int:
+def _check_length(value: Any, name: str, what: str = "number of tokens") -> int:
+    """``value`` as a positive int; the errors say it is a positive integer ``what``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         if isinstance(value, float) and value.is_integer():
-            return _check_length(int(value), name)
-        raise TypeError(f"{name} must be a positive integer number of tokens, got {value!r}.")
+            return _check_length(int(value), name, what)
+        raise TypeError(f"{name} must be a positive integer {what}, got {value!r}.")
     if value <= 0:
-        raise ValueError(f"{name} must be a positive number of tokens, got {value}.")
+        raise ValueError(f"{name} must be a positive {what}, got {value}.")
     return int(value)
+
+
+def _check_steps(value: Any) -> int | None:
+    """``steps_per_doubling``: a positive integer, or None (the exact length)."""
+    if value is None:
+        return None
+    return _check_length(value, "steps_per_doubling", "number of frequency steps per doubling of the length (or None)")
 
 
 def _resolve_scale(scale: Any, max_length: Any, original_length: int) -> float:
@@ -269,8 +277,8 @@ def patch_model(
     if rope_method.length_dependent:
         if steps_per_doubling is _UNSET:
             steps_per_doubling = DEFAULT_STEPS_PER_DOUBLING
-        elif steps_per_doubling is not None:
-            steps_per_doubling = _check_length(steps_per_doubling, "steps_per_doubling")
+        else:
+            steps_per_doubling = _check_steps(steps_per_doubling)
     elif steps_per_doubling is not _UNSET:
         raise ValueError(f"steps_per_doubling only applies to length-dependent methods; {method!r} is static.")
     else:

@@ -6,6 +6,7 @@ Tiny random Llama models (see conftest); every test here failed before the fix i
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -62,3 +63,77 @@ def test_bad_method_output_is_refused_at_patch_time_naming_the_method(case):
             assert torch.isfinite(model(random_ids(L0)).logits).all()
     finally:
         hf_rope_ext.unregister_method("my-method")
+
+
+# -- the command line: bad values exit 2 with one line, never a traceback --------------------------
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": 3 + i for i in range(100)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A patched tiny Llama saved with a tokenizer, and an unpatched one."""
+    from hf_rope_ext.hub import save_patched
+
+    folder = tmp_path_factory.mktemp("bad-input")
+    model = make_model("llama")
+    model.save_pretrained(folder / "base")
+    _word_tokenizer().save_pretrained(folder / "base")
+    patch_model(model, scale=4, method="yarn")
+    save_patched(model, folder / "yarn", tokenizer=_word_tokenizer())
+    (folder / "not-a-checkpoint").mkdir()
+    (folder / "a-file").write_text("x")
+    (folder / "book.txt").write_text(" ".join(f"w{i % 100}" for i in range(400)))
+    return folder
+
+
+DESCRIBED = ["runtimes", "--method", "yarn", "--scale", "4", "--original-context", "32", "--rope-theta", "10000"]
+CLI_CASES = {
+    "odd rotary dim": (DESCRIBED + ["--rotary-dim", "15"], "rotary_dim must be even"),
+    "zero rotary dim": (DESCRIBED + ["--rotary-dim", "0"], "rotary_dim must be a positive number of dimensions"),
+    "negative rope theta": (["runtimes", "--method", "yarn", "--scale", "4", "--original-context", "32",
+                             "--rope-theta", "-1", "--rotary-dim", "16"], "rope_theta must be a number > 0"),
+    "infinite scale": (["runtimes", "--method", "yarn", "--scale", "inf", "--original-context", "32",
+                        "--rope-theta", "1e4", "--rotary-dim", "16"], "scale must be finite"),
+    "unparsable param": (DESCRIBED + ["--rotary-dim", "16", "--param", "beta_fast=abc"],
+                         "'beta_fast' of method 'yarn' must be a finite number, got 'abc'"),
+    "missing model dir": (["runtimes", "--model-dir", "{folder}/missing"], "Checkpoint folder not found"),
+    "not a checkpoint": (["runtimes", "--model-dir", "{folder}/not-a-checkpoint"], "has no config.json"),
+    "card without base model": (["card", "--model-dir", "{folder}/yarn"], "pass base_model="),
+    "card with missing eval dir": (["card", "--model-dir", "{folder}/yarn", "--base-model", "org/base",
+                                    "--eval-dir", "{folder}/missing"], "No results.jsonl in"),
+    "card to an unwritable output": (["card", "--model-dir", "{folder}/yarn", "--base-model", "org/base",
+                                      "--output", "{folder}/a-file/README.md"], "Cannot write the model card to"),
+    "eval of a missing local folder": (["eval", "--model", "{folder}/missing", "--text-file", "{folder}/book.txt",
+                                        "--methods", "none", "--ppl-lengths", "16", "--output-dir", "{folder}/out"],
+                                       "Model folder not found"),
+    "eval of a dataset it cannot reach": (["eval", "--model", "{folder}/base", "--dataset",
+                                           "hf-rope-ext-tests/no-such-dataset", "--methods", "none",
+                                           "--ppl-lengths", "16", "--output-dir", "{folder}/out"],
+                                          "Dataset 'hf-rope-ext-tests/no-such-dataset' .* could not be read"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_bad_values_exit_2_with_one_line(case, checkpoint, capsys, monkeypatch):
+    from hf_rope_ext.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    argv, message = CLI_CASES[case]
+    code = main([part.format(folder=checkpoint) for part in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(message, lines[0]), lines[0]

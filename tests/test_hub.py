@@ -325,6 +325,35 @@ def test_contradictory_config_is_refused(tmp_path, method, edit, message):
         load_patched(folder)
 
 
+def _edit_raw_config(folder: Path, edit) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "method, edit, message",
+    [
+        ("yarn", lambda c: c["rope_parameters"].update(factor=8.0), "factor is 8.0 in rope_parameters, 4.0 in rope_scaling"),
+        ("yarn", lambda c: c["rope_parameters"].update(factor="8"), "factor is '8' in rope_parameters, 4.0 in rope_scaling"),
+        ("dynamic-yarn", lambda c: c["rope_scaling"].update(factor=2.0), "factor is 4.0 in rope_parameters, 2.0 in rope_scaling"),
+        ("ntk", lambda c: c["rope_parameters"].update(rope_theta=10000.0), r"rope_theta is 10000.0 in rope_parameters, .* at the top level"),
+        ("ntk", lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 4.0}), "rope_parameters is plain RoPE"),
+        ("llama3", lambda c: c["rope_scaling"].pop("low_freq_factor"), "low_freq_factor is 1.0 in rope_parameters, 'missing' in rope_scaling"),
+        ("longrope", lambda c: c.update(original_max_position_embeddings=64), "original_max_position_embeddings is 32 in rope_parameters, 64 at the top level"),
+    ],
+)  # fmt: skip
+def test_rope_parameters_and_legacy_rope_scaling_must_agree(tmp_path, method, edit, message):
+    model = make_model("llama")
+    _patch(model, method)
+    folder = save_patched(model, tmp_path / "ckpt")
+    _edit_raw_config(folder, edit)
+    with pytest.raises(ValueError, match=f"spells the RoPE settings twice and the two disagree .*{message}"):
+        load_patched(folder)
+    assert cli_main(["runtimes", "--model-dir", str(folder)]) == 2
+
+
 def test_custom_type_contradiction_stops_plain_from_pretrained(tmp_path):
     model = make_model("llama")
     _patch(model, "dynamic-yarn")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli import one_line
 from ..patching import DEFAULT_METHOD, DEFAULT_STEPS_PER_DOUBLING
 from .runner import EvalPlan, EvaluationError, parse_steps_per_doubling
 
@@ -207,8 +208,9 @@ def _guarded(function, args: argparse.Namespace) -> int:
     try:
         return function(args)
     # EvaluationError is a ValueError; patch_model and the loaders raise ValueError with a clear message too.
-    except (ValueError, FileNotFoundError, ImportError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    # OSError: a missing file or folder, or no connection to the Hub.
+    except (ValueError, OSError, ImportError) as error:
+        print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(
