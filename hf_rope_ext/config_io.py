@@ -449,3 +449,32 @@ def unregister_from_transformers(method: RopeMethod) -> None:
     rope_type = custom_rope_type(method)
     if getattr(compat.ROPE_INIT_FUNCTIONS.get(rope_type), "_hf_rope_ext", False):
         del compat.ROPE_INIT_FUNCTIONS[rope_type]
+
+
+class _KnownRopeTypeFilter(logging.Filter):
+    """Drops transformers' "Missing validation function ... for 'rope_type'='hf_rope_ext...'" warning
+    for this package's registered rope types.
+
+    transformers logs it for every rope type it has no validator for. For ours the message shows
+    the rope_type string with its install hint ("needs `pip install hf-rope-ext` and `import
+    hf_rope_ext`"), which reads as if the package were missing while it is imported and checks the
+    config itself (:func:`verify_record` when the model is built). Types that are not registered
+    in this process keep the warning.
+    """
+
+    _MARKER = "Missing validation function"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self._MARKER not in message or f"'rope_type'='{CUSTOM_ROPE_TYPE_PREFIX}" not in message:
+            return True
+        rope_type = message.split("'rope_type'='", 1)[1].rstrip("'")
+        try:
+            method_from_rope_type(rope_type)
+        except ValueError:
+            return True
+        logger.debug("rope_type %r is validated by hf_rope_ext (transformers has no validator for it).", rope_type)
+        return False
+
+
+logging.getLogger("transformers.modeling_rope_utils").addFilter(_KnownRopeTypeFilter())

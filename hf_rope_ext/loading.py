@@ -25,6 +25,9 @@ SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
+# Files any transformers tokenizer is saved with (one of them is enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
@@ -151,6 +154,13 @@ def load_model(
         load_kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
         load_kwargs["device_map"] = device_map
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        # Else transformers tries to convert a slow tokenizer and asks for sentencepiece/tiktoken.
+        raise FileNotFoundError(
+            f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...). Save the base model's tokenizer "
+            "there (tokenizer.save_pretrained(folder))."
+        )
     model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
     if device_map is None:
         model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))

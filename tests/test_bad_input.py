@@ -5,8 +5,11 @@ Tiny random Llama models (see conftest); every test here failed before the fix i
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from hf_rope_ext import get_patch_info, patch_model
 from hf_rope_ext.methods import default_inv_freq
 
 L0 = ORIGINAL_CONTEXT
+REPO = Path(__file__).resolve().parents[1]
 
 
 # -- a user-registered method's output is checked at patch time ---------------------------------
@@ -137,3 +141,128 @@ def test_cli_bad_values_exit_2_with_one_line(case, checkpoint, capsys, monkeypat
     assert code == 2, err
     assert len(lines) == 1 and "Traceback" not in err, err
     assert re.search(message, lines[0]), lines[0]
+
+
+# -- messages that name the right thing --------------------------------------------------------------
+
+
+def test_model_folder_without_tokenizer_files_says_so(checkpoint, tmp_path):
+    from hf_rope_ext.loading import load_model
+
+    make_model("llama").save_pretrained(tmp_path / "no-tokenizer")
+    with pytest.raises(FileNotFoundError, match="has no tokenizer files"):
+        load_model(str(tmp_path / "no-tokenizer"), device="cpu")
+    model, tokenizer = load_model(str(checkpoint / "base"), device="cpu")  # with them it loads
+    assert tokenizer("w1 w2")["input_ids"] == [4, 5]
+
+
+def test_loading_a_checkpoint_of_our_own_type_after_import_does_not_ask_to_install(tmp_path, caplog):
+    from transformers import AutoModelForCausalLM
+
+    from hf_rope_ext.hub import save_patched
+
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    with caplog.at_level(logging.WARNING):
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert "pip install hf-rope-ext" not in caplog.text
+
+
+@pytest.mark.parametrize("steps", [0, -1])
+def test_steps_per_doubling_error_does_not_speak_of_tokens(steps):
+    with pytest.raises(ValueError, match="steps_per_doubling must be a positive number of frequency steps") as error:
+        patch_model(make_model("llama"), scale=4, method="dynamic", steps_per_doubling=steps)
+    assert "tokens" not in str(error.value)
+
+
+def _finetune_script():
+    spec = importlib.util.spec_from_file_location("finetune_lora", REPO / "examples" / "finetune_lora.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_finetune_names_its_own_flags(tmp_path):
+    from hf_rope_ext.training import FinetuneConfig
+
+    config = FinetuneConfig(model="x", output_dir=str(tmp_path), text_files=[str(tmp_path / "missing.txt")], scale=4)
+    with pytest.raises(ValueError, match=r"--text_files: file\(s\) not found: .*missing.txt") as error:
+        config.validate()
+    assert "--text-file" not in str(error.value)
+    helps = {}
+    for action in _finetune_script().build_parser()._actions:
+        for option in action.option_strings:
+            helps[option] = action.help
+    assert helps["--no_shuffle"] != helps["--shuffle"] and "--shuffle" in helps["--no_shuffle"]
+    assert helps["--no_save_merged"] != helps["--save_merged"]
+
+
+def test_demo_names_its_own_flags(checkpoint, tmp_path, capsys):
+    from hf_rope_ext.cli import main
+
+    short = tmp_path / "short.txt"
+    short.write_text("w1 w2 w3 " * 5)
+    code = main(["demo", "--model", str(checkpoint / "base"), "--device", "cpu", "--text-file", str(short),
+                 "--passkey-length", "200",
+                 "--output-dir", str(tmp_path / "out"), "--no-progress"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "shorter --ppl-length." in err and "--ppl-lengths" not in err and "--sliding" not in err
+
+
+# -- text files that are not UTF-8 text ----------------------------------------------------------------
+
+
+def test_binary_and_non_utf8_files_are_refused(tmp_path):
+    from hf_rope_ext.data import read_text
+
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(ValueError, match="binary file"):
+        read_text(binary)
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(bytes(range(128, 256)) * 40)  # no NUL byte, none of it UTF-8
+    with pytest.raises(ValueError, match="5120 of its 5120 bytes are not valid UTF-8"):
+        read_text(noise)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(("Ça été très élégant. " * 200).encode("latin-1"))
+    with pytest.raises(ValueError, match="1200 of its 4200 bytes are not valid UTF-8.* iconv -f latin1"):
+        read_text(latin1)
+
+
+def test_a_few_undecodable_bytes_are_counted_in_a_warning(tmp_path, caplog):
+    from hf_rope_ext.data import read_text
+
+    path = tmp_path / "book.txt"
+    path.write_bytes(b"An ordinary line of text. " * 200 + b"caf\xe9 " + b"more text. " * 10)
+    with caplog.at_level(logging.WARNING, logger="hf_rope_ext.data"):
+        text = read_text(path)
+    assert "1 byte(s) are not valid UTF-8" in caplog.text
+    assert text.count("\ufffd") == 1 and "caf\ufffd" in text
+
+
+def test_eval_refuses_a_binary_text_file(checkpoint, tmp_path, capsys):
+    from hf_rope_ext.cli import main
+
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(bytes(range(256)) * 100)
+    code = main(["eval", "--model", str(checkpoint / "base"), "--device", "cpu", "--text-file", str(binary),
+                 "--methods", "none", "--ppl-lengths", "16", "--output-dir", str(tmp_path / "out"), "--no-progress"])
+    assert code == 2 and "binary file" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+
+
+# -- demo lengths ----------------------------------------------------------------------------------
+
+
+def test_demo_refuses_a_perplexity_length_inside_the_native_context(checkpoint, tmp_path, capsys):
+    from hf_rope_ext.cli import main
+    from hf_rope_ext.evaluation import EvaluationError
+    from hf_rope_ext.evaluation.demo import demo_settings
+
+    with pytest.raises(EvaluationError, match="--ppl-length 32 is within the model's native context of 32 tokens"):
+        demo_settings(32, False, ppl_length=32)
+    assert demo_settings(32, False, ppl_length=33).ppl_length == 33
+    code = main(["demo", "--model", str(checkpoint / "base"), "--device", "cpu", "--text-file",
+                 str(checkpoint / "book.txt"), "--ppl-length", "16", "--output-dir", str(tmp_path / "out")])
+    assert code == 2 and "within the model's native context" in capsys.readouterr().err

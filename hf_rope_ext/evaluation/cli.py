@@ -286,7 +286,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args)
     documents = _documents(args, tokenizer, plan.required_document_tokens())
     documents = dict(list(documents.items())[:1])
-    check_documents(plan, documents)
+    check_documents(plan, documents, length_flags="--ppl-length")
     print(
         f"Demo on {_model_label(args.model)} (native context {native_context} tokens), {args.dtype} on "
         f"{'GPU' if on_gpu else 'CPU'}: unpatched, then patch_model(model, scale={settings.scale:g}, "

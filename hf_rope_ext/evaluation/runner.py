@@ -498,8 +498,10 @@ def _run_case(model: nn.Module, tokenizer, plan: EvalPlan, spec: dict[str, Any],
             "outputs": result.outputs}  # fmt: skip
 
 
-def check_documents(plan: EvalPlan, documents: Mapping[str, torch.Tensor]) -> None:
-    """Every document must hold the tokens the plan needs."""
+def check_documents(plan: EvalPlan, documents: Mapping[str, torch.Tensor],
+                    length_flags: str = "--ppl-lengths / --sliding-tokens") -> None:
+    """Every document must hold the tokens the plan needs (``length_flags``: the options that set
+    those lengths, named in the error)."""
     needed = plan.required_document_tokens()
     if needed and not documents:
         raise EvaluationError("Perplexity needs at least one document: pass --text-file (or --dataset).")
@@ -508,7 +510,7 @@ def check_documents(plan: EvalPlan, documents: Mapping[str, torch.Tensor]) -> No
         listing = ", ".join(f"{name} ({count} tokens)" for name, count in short.items())
         raise EvaluationError(
             f"Document(s) shorter than the {needed} tokens requested: {listing}. Use longer documents, or shorter "
-            "--ppl-lengths / --sliding-tokens."
+            f"{length_flags}."
         )
 
 

@@ -116,6 +116,9 @@ class FinetuneConfig:
             raise ValueError("No training text: give --text_files FILE [FILE ...] or --dataset NAME.")
         if self.text_files and self.dataset:
             raise ValueError("Give either --text_files or --dataset, not both.")
+        missing = [str(path) for path in self.text_files or [] if not Path(path).is_file()]
+        if missing:
+            raise ValueError(f"--text_files: file(s) not found: {', '.join(missing)}.")
         if self.scale is None and self.target_length is None:
             raise ValueError("Give --scale (e.g. 4) or --target_length (tokens) for the context to reach.")
         for name in ("max_steps", "per_device_batch_size", "gradient_accumulation_steps", "save_total_limit", "lora_rank"):
