@@ -718,6 +718,42 @@ def test_model_card_of_a_length_dependent_patch_takes_only_its_own_frequency_ste
     assert "dynamic-yarn (steps unrecorded) | 4 |" in text and "33.33" in text
 
 
+def test_model_card_refuses_a_training_summary_or_evaluation_of_another_checkpoint(tmp_path, capsys):
+    model = make_model("llama")
+    _patch(model, "yarn")  # yarn x4
+    folder = save_patched(model, tmp_path / "ckpt")
+    config = AutoConfig.from_pretrained(folder)
+    other_run = {**TRAINING, "method": "dynamic-yarn", "scale": 2.0}
+    with pytest.raises(ValueError, match=r"of another run than this yarn x4 checkpoint: method 'dynamic-yarn'"):
+        render_model_card(config, training_summary=other_run)
+    with pytest.raises(ValueError, match=r"parameters .*'beta_fast': 16.0"):
+        render_model_card(config, training_summary={**TRAINING, "rope_patch": {
+            "method": "yarn", "scale": 4.0, "original_max_position_embeddings": L0,
+            "params": {"beta_fast": 16.0, "beta_slow": 1.0, "attention_factor": None, "truncate": True}}})
+
+    def eval_folder(name, records):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "results.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+        return path
+
+    other_patch = eval_folder("other-patch", [{**RESULTS[1], "method": "dynamic-yarn", "scale": 2.0}])
+    with pytest.raises(ValueError, match=r"holds no result of this yarn x4 checkpoint \(its results: dynamic-yarn x2\)"):
+        render_model_card(config, base_model="org/tiny-base", eval_dir=other_patch)
+    other_model = eval_folder("other-model", [{**RESULTS[0], "model": str(tmp_path / "other-ckpt")}])
+    (tmp_path / "other-ckpt").mkdir()
+    with pytest.raises(ValueError, match="holds no result of this yarn x4 checkpoint"):
+        render_model_card(config, base_model="org/tiny-base", eval_dir=other_model)
+    assert cli_main(["card", "--model-dir", str(folder), "--base-model", "org/tiny-base", "--eval-dir",
+                     str(other_patch)]) == 2  # fmt: skip
+    assert "holds no result" in capsys.readouterr().err
+    # What belongs: this folder evaluated unpatched, or its patch on the base model, with the matching run.
+    own = eval_folder("own", [{**RESULTS[0], "model": str(folder)}])
+    card, _ = render_model_card(config, eval_dir=own, training_summary=TRAINING)
+    assert "40.12" in str(card)
+    render_model_card(config, eval_dir=eval_folder("patch", RESULTS[1:2]), training_summary=TRAINING)
+
+
 def test_model_card_inputs_are_checked(tmp_path):
     model = make_model("llama")
     _patch(model, "dynamic-yarn")
