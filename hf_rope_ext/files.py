@@ -30,6 +30,19 @@ def staging_dir(parent: str | os.PathLike, prefix: str) -> Path:
     return folder
 
 
+def give_umask_permissions(folder: str | os.PathLike) -> None:
+    """Give every file and folder under ``folder`` (itself included) the mode a plain ``open`` or
+    ``mkdir`` would, before the folder is renamed into place: some writers (safetensors, mkstemp)
+    create files readable by their owner only."""
+    mask = current_umask()
+    for root, folders, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it over ``path`` once the block succeeds.

@@ -42,7 +42,7 @@ from torch import nn
 
 from . import compat, config_io
 from .config_io import RecordedPatch
-from .files import staging_dir
+from .files import give_umask_permissions, staging_dir
 from .methods import get_method, resolve_params
 from .patching import _check_length, _check_scale, _check_steps, find_rotary_module, get_patch_info, patch_model
 
@@ -160,6 +160,7 @@ def save_patched(
             (staging / "README.md").write_text(str(card))
         for asset in map(Path, card_assets):
             shutil.copyfile(asset, staging / asset.name)
+        give_umask_permissions(staging)
         if not target.exists():
             os.replace(staging, target)  # a new folder appears whole
         else:

@@ -13,11 +13,12 @@ import importlib.util
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .files import give_umask_permissions, staging_dir
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +73,11 @@ def smollm2_checkpoint() -> Path:
     model.is_quantized = False
     model.config._name_or_path = SMOLLM2_HUB_ID
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    staging = staging_dir(target.parent, ".smollm2-")
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        give_umask_permissions(staging)
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)

@@ -7,6 +7,8 @@ import csv
 import json
 import logging
 import math
+import os
+import stat
 import time
 from pathlib import Path
 
@@ -404,6 +406,18 @@ def test_documents_and_models_are_identified_by_content_not_name(tmp_path, caplo
     fresh = run_evaluation(model, CharTokenizer(), plan, tmp_path / "other",
                            documents={"book": random_ids(80, seed=2)[0]}, model_name="my-model", progress=False)
     assert fresh[0]["ppl"] != first[0]["ppl"]
+
+
+def test_results_and_reports_get_the_users_umask_permissions(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        run_evaluation(make_model("llama"), CharTokenizer(), _plan(methods=["none"], scales=[], ppl_lengths=[24]),
+                       tmp_path, documents={"doc": random_ids(80)[0]}, progress=False)  # fmt: skip
+    finally:
+        os.umask(previous)
+    written = [path for path in tmp_path.iterdir() if path.is_file()]
+    assert {"results.jsonl", "results.md"} <= {path.name for path in written}
+    assert {path.name: stat.S_IMODE(path.stat().st_mode) for path in written} == {path.name: 0o644 for path in written}
 
 
 def test_identical_cases_are_reused_and_equal_a_fresh_computation(tmp_path):

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -481,6 +482,20 @@ def test_numpy_parameters_are_plain_numbers_and_save(tmp_path):
     ids = random_ids(LENGTH)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, reference(ids).logits, rtol=0, atol=2e-5)
+
+
+def test_saved_checkpoint_and_card_get_the_users_umask_permissions(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    previous = os.umask(0o027)
+    try:
+        target = save_patched(model, tmp_path / "ckpt", card="# card")
+        card = write_model_card("# card", tmp_path / "cards" / "README.md")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o750
+    assert {stat.S_IMODE(path.stat().st_mode) for path in target.iterdir()} == {0o640}
+    assert stat.S_IMODE(card.stat().st_mode) == 0o640
 
 
 class RecordingApi:

@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ import torch
 
 from .. import get_method, get_patch_info, patch_model
 from .. import config_io
+from ..files import give_umask_permissions, staging_dir
 from . import checkpoint as ckpt
 from .lora import LoraSettings, apply_lora
 from .windows import IGNORE_INDEX, PackedWindows
@@ -346,7 +346,7 @@ def _publish(staging: Path, final: Path) -> None:
 
 
 def _staging_dir(output_dir: Path, name: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=output_dir))
+    return staging_dir(output_dir, f".tmp-{name}-")
 
 
 def _check_output_dir(config: FinetuneConfig, output_dir: Path) -> Path | None:
@@ -660,6 +660,7 @@ def _save_outputs(config, output_dir: Path, peft_model, state_dict, tokenizer, r
         (staging / "README.md").unlink(missing_ok=True)  # peft's empty card template; the summary describes the run
         ckpt.atomic_write_json(staging / ROPE_PATCH_FILE, rope_record)
         tokenizer.save_pretrained(str(staging))
+        give_umask_permissions(staging)
         _publish(staging, adapter_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -677,6 +678,7 @@ def _save_outputs(config, output_dir: Path, peft_model, state_dict, tokenizer, r
         merged.config.use_cache = True
         merged.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))
+        give_umask_permissions(staging)
         _publish(staging, output_dir / "merged")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
