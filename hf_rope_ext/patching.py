@@ -295,8 +295,17 @@ def patch_model(
 
     kept = {key: rope[key] for key in ("partial_rotary_factor",) if key in rope}
     new_rope, max_positions = config_io.rope_config_for(rope_method, resolved, base, rotary_dim, kept)
-    rotary._saved_config = compat.snapshot_config(config, (config_io.RECORD_ATTRIBUTE,))
-    compat.write_rope_config(config, new_rope, max_positions)
+    # Phi-3 configs also hold the trained context at the top level, and transformers takes it over
+    # rope_parameters' (its class default, 4096, often differs): it must say L0 as well.
+    top_level = ("original_max_position_embeddings",) if hasattr(config, "original_max_position_embeddings") else ()
+    rotary._saved_config = compat.snapshot_config(config, (config_io.RECORD_ATTRIBUTE, *top_level))
+    try:
+        if top_level:
+            config.original_max_position_embeddings = original_length
+        compat.write_rope_config(config, new_rope, max_positions)
+    except Exception:
+        compat.restore_config(config, rotary._saved_config)
+        raise
     setattr(config, config_io.RECORD_ATTRIBUTE, config_io.patch_record(rope_method, resolved, base, steps_per_doubling))
 
     caller, attribute = _caller_and_attribute(model, module_name)

@@ -498,6 +498,38 @@ def test_saved_checkpoint_and_card_get_the_users_umask_permissions(tmp_path):
     assert stat.S_IMODE(card.stat().st_mode) == 0o640
 
 
+def test_phi3_with_its_default_original_context_saves_and_loads(tmp_path):
+    """Phi-3 configs keep a top-level original_max_position_embeddings (default 4096) that need not
+    be max_position_embeddings; transformers gives it priority over rope_parameters'."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from conftest import TINY_SHAPE
+
+    config = AutoConfig.for_model("phi3", **{**TINY_SHAPE, "max_position_embeddings": 2 * L0}, pad_token_id=0)
+    assert config.original_max_position_embeddings == 4096  # the class default
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    before = model.config.to_dict()
+    patch_model(model, scale=4, method="longrope", long_factor=LONG_FACTOR)
+    assert model.config.original_max_position_embeddings == 2 * L0  # the context the patch extends
+    rotary = model.model.rotary_emb
+    for length in (2 * L0, 2 * L0 + 1):  # transformers' own longrope on the patched config, short and long
+        expected, attention = ROPE_INIT_FUNCTIONS["longrope"](model.config, seq_len=length)
+        got, got_attention = rotary.frequencies(length)
+        torch.testing.assert_close(got.float(), expected, rtol=1e-6, atol=0)
+        assert got_attention == pytest.approx(attention)
+    loaded = load_patched(save_patched(model, tmp_path / "ckpt"), attn_implementation="eager").eval()
+    ids = random_ids(5 * L0)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=2e-5)
+    unpatch_model(model)
+    metadata = ("architectures", "dtype", "_name_or_path", "transformers_version")  # set by save_pretrained
+    after = model.config.to_dict()
+    assert {key: after[key] for key in after if key not in metadata} == {
+        key: before[key] for key in before if key not in metadata
+    }
+    assert after["original_max_position_embeddings"] == 4096
+
+
 class RecordingApi:
     """Stands in for huggingface_hub.HfApi: records what would be uploaded."""
 
