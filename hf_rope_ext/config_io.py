@@ -9,7 +9,9 @@ The convention (the same in memory, in a saved ``config.json`` and on the Hub):
 * ``rope_parameters["original_max_position_embeddings"]`` holds the context the model was
   trained on for every type that has the key (yarn, llama3, longrope and this package's own
   types). Both vLLM and llama.cpp's GGUF converter read the original context from there.
-* ``max_position_embeddings`` is the extended context ``ceil(original * scale)``: llama.cpp's
+* ``max_position_embeddings`` is the extended context ``original * scale``, a whole number of
+  tokens (:func:`hf_rope_ext.patching.patch_model` rounds the scale so; see
+  :func:`extended_length`): llama.cpp's
   converter writes it as ``{arch}.context_length`` (the default ``--ctx-size``), and vLLM takes
   it as the maximum model length for ``default`` (ntk), ``llama3`` and ``longrope`` (vLLM's
   longrope also derives its attention factor from ``max_position_embeddings / original``).
@@ -68,6 +70,16 @@ INSTALL_HINT = " (needs `pip install hf-rope-ext` and `import hf_rope_ext` befor
 _RECORD_KEYS = ("method", "scale", "original_max_position_embeddings", "original_rope_theta", "params")
 
 
+def extended_length(original: int, scale: float) -> int:
+    """The extended context ``original * scale`` in tokens.
+
+    ``patch_model`` makes ``original * scale`` a whole number (up to float rounding, absorbed
+    here); a fractional product, from checkpoints written before that rule, is rounded up as
+    they were.
+    """
+    return int(math.ceil(original * scale - 1e-6))
+
+
 def _bare_rope_type(method: RopeMethod) -> str:
     # transformers recomputes frequencies on every call only for rope types whose name
     # contains "dynamic", so length-dependent methods must carry that word.
@@ -117,7 +129,7 @@ def rope_config_for(
     """
     scale = params["factor"]
     original = int(params["original_max_position_embeddings"])
-    extended = int(math.ceil(original * scale))
+    extended = extended_length(original, scale)
     native = method.transformers_rope_type
     own = {key: _json_value(value) for key, value in params.items() if key not in COMMON_PARAMS and value is not None}
 
@@ -198,7 +210,7 @@ class RecordedPatch:
 
     @property
     def extended_context(self) -> int:
-        return int(math.ceil(self.original_max_position_embeddings * self.scale))
+        return extended_length(self.original_max_position_embeddings, self.scale)
 
     def resolved_params(self) -> dict[str, Any]:
         """The parameters as :func:`rope_config_for` and ``method.compute`` take them."""

@@ -44,7 +44,15 @@ from . import compat, config_io
 from .config_io import RecordedPatch
 from .files import give_umask_permissions, staging_dir
 from .methods import get_method, resolve_params
-from .patching import _check_length, _check_scale, _check_steps, find_rotary_module, get_patch_info, patch_model
+from .patching import (
+    _check_length,
+    _check_scale,
+    _check_steps,
+    find_rotary_module,
+    get_patch_info,
+    patch_model,
+    whole_token_scale,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -467,8 +475,8 @@ def describe_patch(
     from .patching import DEFAULT_STEPS_PER_DOUBLING
 
     rope_method = get_method(method)
-    scale = _check_scale(scale)
     original = _check_length(original_max_length, "original_max_length")
+    scale = whole_token_scale(_check_scale(scale), original)
     rotary_dim = _check_length(rotary_dim, "rotary_dim", "number of dimensions")
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even (pairs of dimensions rotate together), got {rotary_dim}.")

@@ -135,6 +135,31 @@ def _check_steps(value: Any) -> int | None:
     return _check_length(value, "steps_per_doubling", "number of frequency steps per doubling of the length (or None)")
 
 
+def whole_token_scale(scale: float, original_length: int) -> float:
+    """The scale, rounded so that the extended context ``L0 * scale`` is a whole number of tokens.
+
+    The rule: the extended context is ``L0 * scale`` rounded to the nearest token, and the scale
+    becomes ``extended / L0`` (so ``factor`` and ``max_position_embeddings / L0`` agree, as
+    transformers checks). A warning says when this changes the scale by more than float
+    rounding. A scale that extends the context by less than half a token is refused.
+    """
+    target = original_length * scale
+    extended = int(math.floor(target + 0.5))
+    if extended <= original_length:
+        raise ValueError(
+            f"scale={scale!r} extends the original context of {original_length} tokens by {target - original_length:.3g} "
+            f"tokens, less than one; the smallest extension is scale={(original_length + 1) / original_length!r} "
+            f"(max_length={original_length + 1})."
+        )
+    whole = extended / original_length
+    if not math.isclose(whole, scale, rel_tol=1e-9):
+        logger.warning(
+            "scale %r gives %.6g tokens over the original %d; using scale %r (%d tokens) so that the extended context "
+            "is a whole number of tokens.", scale, target, original_length, whole, extended,
+        )  # fmt: skip
+    return whole
+
+
 def _resolve_scale(scale: Any, max_length: Any, original_length: int) -> float:
     if scale is not None and max_length is not None:
         raise ValueError(
@@ -151,7 +176,7 @@ def _resolve_scale(scale: Any, max_length: Any, original_length: int) -> float:
                 "nothing to extend."
             )
         return _check_scale(max_length / original_length, "max_length / original context")
-    return _check_scale(scale)
+    return whole_token_scale(_check_scale(scale), original_length)
 
 
 def _original_length(config: Any, original_max_length: Any) -> int:
@@ -285,7 +310,7 @@ def patch_model(
         steps_per_doubling = None
 
     rotary = ExtendedRotaryEmbedding(original, rope_method, resolved, rotary_dim, base, steps_per_doubling)
-    extended = int(math.ceil(original_length * scale))
+    extended = config_io.extended_length(original_length, scale)
     inv_freq, attention = rotary.frequencies(extended)
     if torch.allclose(inv_freq, default_inv_freq(rotary_dim, base), rtol=1e-9, atol=0) and attention == 1.0:
         raise ValueError(
@@ -354,7 +379,7 @@ def get_patch_info(model: nn.Module) -> PatchInfo | None:
         method=rotary.method.name,
         scale=rotary.params["factor"],
         original_max_position_embeddings=rotary.original_max_seq_len,
-        max_position_embeddings=int(math.ceil(rotary.original_max_seq_len * rotary.params["factor"])),
+        max_position_embeddings=config_io.extended_length(rotary.original_max_seq_len, rotary.params["factor"]),
         params=params,
         steps_per_doubling=rotary.steps_per_doubling,
         module_name=module_name,

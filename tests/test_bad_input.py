@@ -187,7 +187,7 @@ def test_finetune_names_its_own_flags(tmp_path):
     from hf_rope_ext.training import FinetuneConfig
 
     config = FinetuneConfig(model="x", output_dir=str(tmp_path), text_files=[str(tmp_path / "missing.txt")], scale=4)
-    with pytest.raises(ValueError, match=r"--text_files: file\(s\) not found: .*missing.txt") as error:
+    with pytest.raises(FileNotFoundError, match=r"Text file not found: .*missing.txt \(given with --text_files\)") as error:
         config.validate()
     assert "--text-file" not in str(error.value)
     helps = {}
@@ -266,3 +266,43 @@ def test_demo_refuses_a_perplexity_length_inside_the_native_context(checkpoint, 
     code = main(["demo", "--model", str(checkpoint / "base"), "--device", "cpu", "--text-file",
                  str(checkpoint / "book.txt"), "--ppl-length", "16", "--output-dir", str(tmp_path / "out")])
     assert code == 2 and "within the model's native context" in capsys.readouterr().err
+
+
+# -- scales whose extended context is not a whole number of tokens ------------------------------------
+
+
+def test_scale_that_does_not_change_the_context_by_a_token_is_refused():
+    model = make_model("llama")
+    before = model.config.to_dict()
+    for scale in (1.0000001, 1 + 0.4 / L0):
+        with pytest.raises(ValueError, match=r"less than one; the smallest extension is scale=1.03125 \(max_length=33\)"):
+            patch_model(model, scale=scale, method="yarn")
+    assert get_patch_info(model) is None and model.config.to_dict() == before
+
+
+@pytest.mark.parametrize("scale, tokens", [(3.3, 106), (2.0000001, 64), (1 + 0.6 / L0, 33)])
+def test_fractional_scale_is_rounded_to_a_whole_number_of_tokens(scale, tokens, caplog):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from conftest import native_twin
+
+    model = make_model("llama")
+    with caplog.at_level(logging.WARNING):
+        patch_model(model, scale=scale, method="yarn")
+    info = get_patch_info(model)
+    assert info.scale == tokens / L0 and info.max_position_embeddings == model.config.max_position_embeddings == tokens
+    assert f"using scale {tokens / L0!r} ({tokens} tokens)" in caplog.text
+    assert "does not match the ratio implicitly set" not in caplog.text  # transformers' consistency check
+    rope = {"rope_type": "yarn", "factor": tokens / L0, "original_max_position_embeddings": L0}
+    expected, attention = ROPE_INIT_FUNCTIONS["yarn"](native_twin(make_model("llama"), rope, tokens).config)
+    got, got_attention = model.model.rotary_emb.frequencies(tokens)
+    torch.testing.assert_close(got.float(), expected, rtol=1e-6, atol=0)
+    assert got_attention == pytest.approx(attention)
+
+
+def test_a_whole_token_scale_is_kept_exactly(caplog):
+    model = make_model("llama")
+    with caplog.at_level(logging.WARNING, logger="hf_rope_ext.patching"):
+        patch_model(model, scale=1.5, method="yarn")
+        patch_model(model, max_length=3 * L0 + 1, method="yarn")
+    assert get_patch_info(model).scale == (3 * L0 + 1) / L0 and caplog.text == ""
