@@ -255,7 +255,9 @@ def patch_model(
 
     Args:
         model: a transformers ``*ForCausalLM``, its base model, or a peft wrapper of either.
-        scale: how many times the original context to reach (> 1). Or give ``max_length``.
+        scale: how many times the original context to reach (> 1), rounded so that the
+            extended context is a whole number of tokens (:func:`whole_token_scale`). Or give
+            ``max_length``.
         method: a registered method (see :func:`hf_rope_ext.list_methods`); default
             ``"dynamic-yarn"``.
         max_length: target context in tokens; ``scale = max_length / original context``.

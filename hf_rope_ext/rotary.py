@@ -113,7 +113,8 @@ class ExtendedRotaryEmbedding(nn.Module):
 
     Replaces a model's rotary module instance (kept in ``original_rotary`` for
     :func:`hf_rope_ext.unpatch_model`). Static methods compute their frequencies once.
-    Length-dependent methods use the frequencies of the current length ``L = max(position_ids) + 1``,
+    Length-dependent methods use the frequencies of the current length ``L = max(position_ids) + 1``
+    over the whole batch (every row gets the longest row's frequencies, as in transformers),
     rounded up beyond the original context to one of ``steps_per_doubling`` geometric steps per
     doubling (``L0 * 2 ** (k / n)``); the output depends on the call's positions only, never
     on earlier calls. Keeping a KV cache consistent with these frequencies is the job of
