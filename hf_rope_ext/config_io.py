@@ -57,7 +57,15 @@ from typing import Any
 import torch
 
 from . import compat
-from .methods import COMMON_PARAMS, RopeMethod, checked_frequencies, get_method, is_builtin, list_methods, resolve_params
+from .methods import (
+    COMMON_PARAMS,
+    RopeMethod,
+    checked_frequencies,
+    get_method,
+    is_builtin,
+    list_methods,
+    resolve_params,
+)
 from .rotary import effective_length
 
 logger = logging.getLogger(__name__)

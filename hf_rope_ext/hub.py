@@ -343,7 +343,8 @@ def read_checked_config(name_or_path: str | os.PathLike, **config_kwargs: Any):
 
     if is_missing_folder(name_or_path):
         raise FileNotFoundError(f"Checkpoint folder not found: {name_or_path}.")
-    if Path(name_or_path).is_dir() and not (Path(name_or_path) / config_kwargs.get("subfolder", "") / "config.json").is_file():
+    folder = Path(name_or_path) / config_kwargs.get("subfolder", "")
+    if Path(name_or_path).is_dir() and not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"{name_or_path} has no config.json, so it is not a checkpoint folder (one written by save_patched or "
             "save_pretrained)."

@@ -350,8 +350,8 @@ def checked_frequencies(
     result = method.compute(rotary_dim, base, params, seq_len)
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise ValueError(
-            f"{where} returned {'None' if result is None else 'a ' + type(result).__name__}; a method must return the pair "
-            "(inv_freq, attention_factor)."
+            f"{where} returned {'None' if result is None else 'a ' + type(result).__name__}; a method must return "
+            "the pair (inv_freq, attention_factor)."
         )
     inv_freq, attention_factor = result
     if isinstance(inv_freq, torch.Tensor) and not inv_freq.is_floating_point():
@@ -373,7 +373,8 @@ def checked_frequencies(
         raise ValueError(
             f"{where} returned inv_freq[{index}] = {inv_freq[index].item()!r}; every frequency must be finite and > 0."
         )
-    if not (_is_real(attention_factor) or (isinstance(attention_factor, torch.Tensor) and attention_factor.numel() == 1)):
+    scalar_tensor = isinstance(attention_factor, torch.Tensor) and attention_factor.numel() == 1
+    if not (_is_real(attention_factor) or scalar_tensor):
         raise ValueError(f"{where} returned attention factor {attention_factor!r}; it must be a number.")
     attention_factor = float(attention_factor)
     if not (math.isfinite(attention_factor) and attention_factor > 0):

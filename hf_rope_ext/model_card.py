@@ -401,7 +401,8 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
         folder = getattr(config, "_name_or_path", None)
         ours = [
             record for record in records
-            if _same_patch(record, patch) or (record.get("method") == "none" and _same_folder(record.get("model"), folder))
+            if _same_patch(record, patch)
+            or (record.get("method") == "none" and _same_folder(record.get("model"), folder))
         ]  # fmt: skip
         if not ours:
             found = sorted({_patch_label(record.get("method"), record.get("scale")) + (
@@ -409,8 +410,8 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
                 for record in records})  # fmt: skip
             raise ValueError(
                 f"The evaluation folder {eval_dir} holds no result of this {here} checkpoint (its results: "
-                f"{', '.join(found)}). Pass the --eval-dir of an evaluation of this checkpoint (hf-rope-ext eval --model "
-                f"{folder or 'CHECKPOINT'} --methods none) or of its patch on the base model (--methods "
+                f"{', '.join(found)}). Pass the --eval-dir of an evaluation of this checkpoint (hf-rope-ext eval "
+                f"--model {folder or 'CHECKPOINT'} --methods none) or of its patch on the base model (--methods "
                 f"{patch.method.name} --scales {patch.scale:g})."
             )
 

@@ -147,9 +147,9 @@ def whole_token_scale(scale: float, original_length: int) -> float:
     extended = int(math.floor(target + 0.5))
     if extended <= original_length:
         raise ValueError(
-            f"scale={scale!r} extends the original context of {original_length} tokens by {target - original_length:.3g} "
-            f"tokens, less than one; the smallest extension is scale={(original_length + 1) / original_length!r} "
-            f"(max_length={original_length + 1})."
+            f"scale={scale!r} extends the original context of {original_length} tokens by "
+            f"{target - original_length:.3g} tokens, less than half a token; the smallest extension is "
+            f"scale={(original_length + 1) / original_length!r} (max_length={original_length + 1})."
         )
     whole = extended / original_length
     if not math.isclose(whole, scale, rel_tol=1e-9):

@@ -275,7 +275,7 @@ def test_scale_that_does_not_change_the_context_by_a_token_is_refused():
     model = make_model("llama")
     before = model.config.to_dict()
     for scale in (1.0000001, 1 + 0.4 / L0):
-        with pytest.raises(ValueError, match=r"less than one; the smallest extension is scale=1.03125 \(max_length=33\)"):
+        with pytest.raises(ValueError, match=r"less than half a token; the smallest extension is scale=1.03125 \(max_length=33\)"):
             patch_model(model, scale=scale, method="yarn")
     assert get_patch_info(model) is None and model.config.to_dict() == before
 
