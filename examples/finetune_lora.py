@@ -32,8 +32,18 @@ from transformers import HfArgumentParser
 from hf_rope_ext.training import FinetuneConfig, finetune
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> HfArgumentParser:
     parser = HfArgumentParser(FinetuneConfig)
+    # HfArgumentParser gives each `--no_X` of a boolean that defaults to True the help of `--X`.
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith("--no_"):
+                action.help = f"turn off --{option.removeprefix('--no_')}"
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     (config,) = parser.parse_args_into_dataclasses(args=argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -52,7 +52,18 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except (ValueError, OSError, ImportError) as error:
+        # Bad input (the library's errors name the problem and the fix) or a missing file, folder
+        # or connection: one line, no traceback. ValueError covers transformers' invalid repo ids.
+        print(f"error: {one_line(error)}", file=sys.stderr)
+        return 2
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line (some libraries' messages span several)."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 if __name__ == "__main__":

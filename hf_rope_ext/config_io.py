@@ -9,7 +9,9 @@ The convention (the same in memory, in a saved ``config.json`` and on the Hub):
 * ``rope_parameters["original_max_position_embeddings"]`` holds the context the model was
   trained on for every type that has the key (yarn, llama3, longrope and this package's own
   types). Both vLLM and llama.cpp's GGUF converter read the original context from there.
-* ``max_position_embeddings`` is the extended context ``ceil(original * scale)``: llama.cpp's
+* ``max_position_embeddings`` is the extended context ``original * scale``, a whole number of
+  tokens (:func:`hf_rope_ext.patching.patch_model` rounds the scale so; see
+  :func:`extended_length`): llama.cpp's
   converter writes it as ``{arch}.context_length`` (the default ``--ctx-size``), and vLLM takes
   it as the maximum model length for ``default`` (ntk), ``llama3`` and ``longrope`` (vLLM's
   longrope also derives its attention factor from ``max_position_embeddings / original``).
@@ -55,7 +57,15 @@ from typing import Any
 import torch
 
 from . import compat
-from .methods import COMMON_PARAMS, RopeMethod, get_method, is_builtin, list_methods, resolve_params
+from .methods import (
+    COMMON_PARAMS,
+    RopeMethod,
+    checked_frequencies,
+    get_method,
+    is_builtin,
+    list_methods,
+    resolve_params,
+)
 from .rotary import effective_length
 
 logger = logging.getLogger(__name__)
@@ -66,6 +76,16 @@ CUSTOM_ROPE_TYPE_PREFIX = "hf_rope_ext."
 INSTALL_HINT = " (needs `pip install hf-rope-ext` and `import hf_rope_ext` before loading)"
 
 _RECORD_KEYS = ("method", "scale", "original_max_position_embeddings", "original_rope_theta", "params")
+
+
+def extended_length(original: int, scale: float) -> int:
+    """The extended context ``original * scale`` in tokens.
+
+    ``patch_model`` makes ``original * scale`` a whole number (up to float rounding, absorbed
+    here); a fractional product, from checkpoints written before that rule, is rounded up as
+    they were.
+    """
+    return int(math.ceil(original * scale - 1e-6))
 
 
 def _bare_rope_type(method: RopeMethod) -> str:
@@ -117,7 +137,7 @@ def rope_config_for(
     """
     scale = params["factor"]
     original = int(params["original_max_position_embeddings"])
-    extended = int(math.ceil(original * scale))
+    extended = extended_length(original, scale)
     native = method.transformers_rope_type
     own = {key: _json_value(value) for key, value in params.items() if key not in COMMON_PARAMS and value is not None}
 
@@ -199,7 +219,7 @@ class RecordedPatch:
 
     @property
     def extended_context(self) -> int:
-        return int(math.ceil(self.original_max_position_embeddings * self.scale))
+        return extended_length(self.original_max_position_embeddings, self.scale)
 
     def resolved_params(self) -> dict[str, Any]:
         """The parameters as :func:`rope_config_for` and ``method.compute`` take them."""
@@ -340,6 +360,49 @@ def verify_record(config: Any) -> RecordedPatch | None:
     return recorded
 
 
+def check_rope_spellings(raw: Mapping[str, Any], source: str) -> None:
+    """Refuse a checkpoint's config.json whose two spellings of the RoPE settings disagree.
+
+    ``raw`` is config.json as read from disk. :func:`hf_rope_ext.hub.save_patched` writes
+    ``rope_parameters`` and, for transformers 4.x, the legacy ``rope_scaling`` and top-level
+    ``rope_theta`` (and ``original_max_position_embeddings`` for longrope) beside it.
+    transformers 5 reads ``rope_scaling`` first, so an edit of one spelling alone would be
+    silently ignored (or take effect in one runtime only). Checked for configs this package
+    wrote (those with a ``hf_rope_ext`` record).
+    """
+    params = raw.get("rope_parameters")
+    if RECORD_ATTRIBUTE not in raw or not isinstance(params, Mapping) or "rope_scaling" not in raw:
+        return
+    legacy = raw["rope_scaling"]
+    expected = {key: value for key, value in params.items() if key != "rope_theta"}
+    problems = []
+    if params.get("rope_type", "default") == "default":
+        if legacy is not None:
+            problems.append(f"rope_parameters is plain RoPE, rope_scaling is {legacy!r}")
+    elif not isinstance(legacy, Mapping):
+        problems.append(f"rope_scaling is {legacy!r}, rope_parameters has rope_type {params.get('rope_type')!r}")
+    else:
+        legacy = dict(legacy)
+        if "type" in legacy and "rope_type" not in legacy:  # the oldest spelling
+            legacy["rope_type"] = legacy.pop("type")
+        for key in sorted(set(expected) | set(legacy)):
+            if _differences({key: expected.get(key)}, {key: legacy.get(key)}):
+                problems.append(
+                    f"{key} is {expected.get(key, 'missing')!r} in rope_parameters, "
+                    f"{legacy.get(key, 'missing')!r} in rope_scaling"
+                )
+    for key in ("rope_theta", "original_max_position_embeddings"):
+        if key in raw and key in params and _differences({key: params[key]}, {key: raw[key]}):
+            problems.append(f"{key} is {params[key]!r} in rope_parameters, {raw[key]!r} at the top level")
+    if problems:
+        raise ValueError(
+            f"{source}: config.json spells the RoPE settings twice and the two disagree ({'; '.join(problems)}). "
+            "transformers 5 reads rope_scaling first, so an edit of rope_parameters alone is ignored. Edit "
+            "rope_parameters, rope_scaling and the top-level rope_theta the same way, or delete rope_scaling and "
+            "the top-level rope_theta."
+        )
+
+
 def read_record(config: Any) -> dict[str, Any] | None:
     record = getattr(config, RECORD_ATTRIBUTE, None)
     return dict(record) if isinstance(record, Mapping) else None
@@ -379,8 +442,8 @@ def _transformers_init_function(rope_type: str):
         length = effective_length(
             seq_len, params["original_max_position_embeddings"], steps, method.length_dependent
         )
-        inv_freq, attention_factor = method.compute(rotary_dim, rope["rope_theta"], params, length)
-        return torch.as_tensor(inv_freq).to(device=device, dtype=torch.float32), attention_factor
+        inv_freq, attention_factor = checked_frequencies(method, rotary_dim, rope["rope_theta"], params, length)
+        return inv_freq.to(device=device, dtype=torch.float32), attention_factor
 
     compute_rope_parameters.__name__ = f"compute_{_normalized_rope_type(rope_type).replace('.', '_').replace('-', '_')}"
     return compute_rope_parameters
@@ -410,3 +473,32 @@ def unregister_from_transformers(method: RopeMethod) -> None:
     rope_type = custom_rope_type(method)
     if getattr(compat.ROPE_INIT_FUNCTIONS.get(rope_type), "_hf_rope_ext", False):
         del compat.ROPE_INIT_FUNCTIONS[rope_type]
+
+
+class _KnownRopeTypeFilter(logging.Filter):
+    """Drops transformers' "Missing validation function ... for 'rope_type'='hf_rope_ext...'" warning
+    for this package's registered rope types.
+
+    transformers logs it for every rope type it has no validator for. For ours the message shows
+    the rope_type string with its install hint ("needs `pip install hf-rope-ext` and `import
+    hf_rope_ext`"), which reads as if the package were missing while it is imported and checks the
+    config itself (:func:`verify_record` when the model is built). Types that are not registered
+    in this process keep the warning.
+    """
+
+    _MARKER = "Missing validation function"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self._MARKER not in message or f"'rope_type'='{CUSTOM_ROPE_TYPE_PREFIX}" not in message:
+            return True
+        rope_type = message.split("'rope_type'='", 1)[1].rstrip("'")
+        try:
+            method_from_rope_type(rope_type)
+        except ValueError:
+            return True
+        logger.debug("rope_type %r is validated by hf_rope_ext (transformers has no validator for it).", rope_type)
+        return False
+
+
+logging.getLogger("transformers.modeling_rope_utils").addFilter(_KnownRopeTypeFilter())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections.abc import Iterator
@@ -24,12 +25,35 @@ def strip_gutenberg(text: str) -> str:
     return text[begin:finish].strip()
 
 
+# Share of bytes that may fail to decode as UTF-8 (a stray Latin-1 character) before a file is
+# refused as not UTF-8 text at all.
+MAX_UNDECODABLE_FRACTION = 0.001
+
+
 def read_text(path: str | Path, strip_header: bool = True) -> str:
-    """Read a UTF-8 text file; raises a clear error if it is missing or empty."""
+    """Read a UTF-8 text file; raises a clear error if it is missing, empty or not UTF-8 text.
+
+    Binary files (with NUL bytes) and files of which more than :data:`MAX_UNDECODABLE_FRACTION`
+    of the bytes are not UTF-8 (another encoding) are refused; a few undecodable bytes are
+    replaced by U+FFFD with a warning that gives their count.
+    """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"Text file not found: {path}. Pass an existing file with --text-file.")
-    text = path.read_text(encoding="utf-8", errors="replace")
+        raise FileNotFoundError(f"Text file not found: {path}.")
+    data = path.read_bytes()
+    if b"\x00" in data:
+        raise ValueError(f"{path} is a binary file (it holds NUL bytes), not UTF-8 text.")
+    # surrogateescape maps each undecodable byte to one lone surrogate: count, then replace them.
+    text = data.decode("utf-8", errors="surrogateescape")
+    undecodable = sum(1 for char in text if "\udc80" <= char <= "\udcff")
+    if undecodable:
+        if undecodable > MAX_UNDECODABLE_FRACTION * len(data):
+            raise ValueError(
+                f"{path}: {undecodable} of its {len(data)} bytes are not valid UTF-8, so it is not UTF-8 text (another "
+                "encoding, or a binary file). Convert it first, e.g. iconv -f latin1 -t utf-8."
+            )
+        logger.warning("%s: %d byte(s) are not valid UTF-8 and were replaced by U+FFFD.", path, undecodable)
+        text = "".join("\ufffd" if "\udc80" <= char <= "\udcff" else char for char in text)
     if strip_header:
         text = strip_gutenberg(text)
     if not text.strip():
@@ -53,8 +77,20 @@ def iter_dataset_texts(name: str, split: str = "test", text_field: str = "text",
         import datasets
     except ImportError as error:
         raise ImportError("Reading a dataset needs the datasets package: pip install datasets") from error
-    dataset = datasets.load_dataset(name, config, split=split, streaming=True)
-    for index, row in enumerate(dataset):
+    try:
+        dataset = datasets.load_dataset(name, config, split=split, streaming=True)
+        rows = iter(dataset)
+        first = next(rows, None)  # streaming datasets connect on the first row
+    except Exception as error:  # offline (ConnectionError), unknown name, wrong split or config, ...
+        message = " ".join(str(error).split()).rstrip(".")
+        raise OSError(
+            f"Dataset {name!r} (split {split!r}) could not be read: {type(error).__name__}: {message}. Datasets are "
+            "streamed from the Hugging Face Hub, which needs a network connection; pass local files with "
+            "--text-file instead."
+        ) from error
+    if first is None:
+        return
+    for index, row in enumerate(itertools.chain([first], rows)):
         if limit is not None and index >= limit:
             break
         if text_field not in row:

@@ -25,6 +25,7 @@ original model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -41,8 +42,17 @@ from torch import nn
 
 from . import compat, config_io
 from .config_io import RecordedPatch
+from .files import give_umask_permissions, staging_dir
 from .methods import get_method, resolve_params
-from .patching import _check_length, _check_scale, find_rotary_module, get_patch_info, patch_model
+from .patching import (
+    _check_length,
+    _check_scale,
+    _check_steps,
+    find_rotary_module,
+    get_patch_info,
+    patch_model,
+    whole_token_scale,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +148,12 @@ def save_patched(
             recorded.steps_per_doubling,
         )
     target = Path(save_directory)
-    target.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{target} is a file; save_patched needs a folder (new or existing).")
+    # Folders created here are removed again if the save fails: the target is left as it was.
+    created = [folder for folder in (target.parent, *target.parent.parents) if not folder.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(target.parent, f".{target.name}.saving-")
     try:
         model.save_pretrained(staging, **save_kwargs)
         if tokenizer is not None:
@@ -154,12 +168,22 @@ def save_patched(
             (staging / "README.md").write_text(str(card))
         for asset in map(Path, card_assets):
             shutil.copyfile(asset, staging / asset.name)
-        written = {path.name for path in staging.iterdir()}
-        for stale in target.iterdir():
-            if _WEIGHT_FILES.match(stale.name) and stale.name not in written:
-                stale.unlink()
-        for path in staging.iterdir():
-            os.replace(path, target / path.name)
+        give_umask_permissions(staging)
+        if not target.exists():
+            os.replace(staging, target)  # a new folder appears whole
+        else:
+            written = {path.name for path in staging.iterdir()}
+            for stale in target.iterdir():
+                if _WEIGHT_FILES.match(stale.name) and stale.name not in written:
+                    stale.unlink()
+            for path in staging.iterdir():
+                os.replace(path, target / path.name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for folder in created:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info(
@@ -187,9 +211,7 @@ def _save_tokenizer(tokenizer: Any, folder: Path, extended: int) -> None:
 
 
 def _check_saved_config(folder: Path, live_config: Any) -> None:
-    from transformers import AutoConfig
-
-    saved = AutoConfig.from_pretrained(folder)
+    saved = read_checked_config(folder)
     config_io.verify_record(saved)
     if saved.rope_parameters != live_config.rope_parameters or (
         saved.max_position_embeddings != live_config.max_position_embeddings
@@ -313,6 +335,26 @@ def restore_patch(model: nn.Module) -> nn.Module:
 _CONFIG_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 
 
+def read_checked_config(name_or_path: str | os.PathLike, **config_kwargs: Any):
+    """``AutoConfig.from_pretrained``, after checking that config.json's ``rope_parameters`` and
+    legacy ``rope_scaling`` agree (:func:`hf_rope_ext.config_io.check_rope_spellings`)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    from .loading import is_missing_folder
+
+    if is_missing_folder(name_or_path):
+        raise FileNotFoundError(f"Checkpoint folder not found: {name_or_path}.")
+    folder = Path(name_or_path) / config_kwargs.get("subfolder", "")
+    if Path(name_or_path).is_dir() and not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{name_or_path} has no config.json, so it is not a checkpoint folder (one written by save_patched or "
+            "save_pretrained)."
+        )
+    raw, _ = PretrainedConfig.get_config_dict(name_or_path, **config_kwargs)
+    config_io.check_rope_spellings(raw, str(name_or_path))
+    return AutoConfig.from_pretrained(name_or_path, **config_kwargs)
+
+
 def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a causal LM saved from a patched model, by folder or Hub repo id.
 
@@ -322,12 +364,12 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
     ``restore=False`` returns what ``from_pretrained`` built. A checkpoint without a record
     loads as plain transformers loads it. Other keyword arguments go to ``from_pretrained``.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     config = from_pretrained_kwargs.pop("config", None)
     if config is None:
         config_kwargs = {key: from_pretrained_kwargs[key] for key in _CONFIG_KWARGS if key in from_pretrained_kwargs}
-        config = AutoConfig.from_pretrained(name_or_path, **config_kwargs)
+        config = read_checked_config(name_or_path, **config_kwargs)
     recorded = config_io.verify_record(config)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, **from_pretrained_kwargs)
     if recorded is None:
@@ -435,9 +477,9 @@ def describe_patch(
     from .patching import DEFAULT_STEPS_PER_DOUBLING
 
     rope_method = get_method(method)
-    scale = _check_scale(scale)
     original = _check_length(original_max_length, "original_max_length")
-    rotary_dim = _check_length(rotary_dim, "rotary_dim")
+    scale = whole_token_scale(_check_scale(scale), original)
+    rotary_dim = _check_length(rotary_dim, "rotary_dim", "number of dimensions")
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even (pairs of dimensions rotate together), got {rotary_dim}.")
     if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
@@ -450,7 +492,7 @@ def describe_patch(
     elif steps_per_doubling is _DEFAULT_STEPS:
         steps = DEFAULT_STEPS_PER_DOUBLING
     else:
-        steps = None if steps_per_doubling is None else _check_length(steps_per_doubling, "steps_per_doubling")
+        steps = _check_steps(steps_per_doubling)
     kept = {"partial_rotary_factor": partial_rotary_factor} if partial_rotary_factor is not None else {}
     return RecordedPatch(rope_method, scale, original, float(rope_theta), rotary_dim, resolved, steps, kept)
 
@@ -870,15 +912,20 @@ def add_parser(subparsers) -> None:
 
 
 def _runtimes_command(args: argparse.Namespace) -> int:
+    try:
+        return _runtimes(args)
+    except TypeError as error:  # a parameter of the wrong type (--param beta_fast=abc): bad input too
+        raise ValueError(str(error)) from None
+
+
+def _runtimes(args: argparse.Namespace) -> int:
     params = dict(args.param)
     if args.steps_per_doubling is not None:
         params["steps_per_doubling"] = args.steps_per_doubling
     if args.model_dir:
-        from transformers import AutoConfig
-
         if args.rope_theta is not None or args.rotary_dim is not None:
             raise SystemExit("--rope-theta/--rotary-dim describe a model without --model-dir; give one or the other.")
-        config = AutoConfig.from_pretrained(args.model_dir)
+        config = read_checked_config(args.model_dir)
         if args.original_context is not None:
             params["original_max_length"] = args.original_context
         settings = runtime_settings(config, args.method, args.scale, model_type=args.model_type, **params)

@@ -13,17 +13,21 @@ import importlib.util
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .files import give_umask_permissions, staging_dir
 
 logger = logging.getLogger(__name__)
 
 SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+# Files any transformers tokenizer is saved with (one of them is enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -69,10 +73,11 @@ def smollm2_checkpoint() -> Path:
     model.is_quantized = False
     model.config._name_or_path = SMOLLM2_HUB_ID
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    staging = staging_dir(target.parent, ".smollm2-")
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        give_umask_permissions(staging)
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
@@ -82,10 +87,39 @@ def smollm2_checkpoint() -> Path:
     return target
 
 
+def is_missing_folder(name_or_path: str | os.PathLike) -> bool:
+    """True when ``name_or_path`` names a local folder that does not exist.
+
+    A name that does not exist locally is taken for a folder, not a Hub id (``org/name``), when
+    it is absolute, starts with ``.`` or ``~``, has more than one ``/``, or its parent folder
+    exists (``outputs/run`` with ``outputs/`` present).
+    """
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if path.exists():
+        return False
+    parent = path.parent
+    return (
+        text.startswith(("/", ".", "~"))
+        or text.count("/") > 1
+        or (os.sep != "/" and os.sep in text)
+        or (str(parent) not in ("", ".") and parent.is_dir())
+    )
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """``smollm2`` -> the cached local checkpoint; anything else unchanged."""
+    """``smollm2`` -> the cached local checkpoint; anything else unchanged.
+
+    Raises ``FileNotFoundError`` for a local folder that does not exist (rather than letting
+    transformers read it as a malformed Hub id).
+    """
     if name_or_path.lower() in SMOLLM2_ALIASES:
         return str(smollm2_checkpoint())
+    if is_missing_folder(name_or_path):
+        raise FileNotFoundError(
+            f"Model folder not found: {name_or_path}. Pass an existing checkpoint folder, 'smollm2', or a Hub id "
+            "(org/name)."
+        )
     return name_or_path
 
 
@@ -122,6 +156,13 @@ def load_model(
         load_kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
         load_kwargs["device_map"] = device_map
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        # Else transformers tries to convert a slow tokenizer and asks for sentencepiece/tiktoken.
+        raise FileNotFoundError(
+            f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...). Save the base model's tokenizer "
+            "there (tokenizer.save_pretrained(folder))."
+        )
     model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
     if device_map is None:
         model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -372,6 +372,52 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def checked_frequencies(
+    method: RopeMethod, rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None
+) -> tuple[torch.Tensor, float]:
+    """``method.compute(...)``, checked: ``(inv_freq float64 on CPU, attention_factor float)``
+    (inv_freq stays on the meta device when it was made there, with only its shape checked).
+
+    A method's output is refused, naming the method and the length, unless it is a pair of
+    ``rotary_dim // 2`` real (not integer or complex) frequencies, all finite and > 0, and a
+    finite attention factor > 0: anything else would make the model output NaN or garbage.
+    """
+    where = f"RoPE method {method.name!r} (at {'the original context' if seq_len is None else f'length {seq_len}'})"
+    result = method.compute(rotary_dim, base, params, seq_len)
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise ValueError(
+            f"{where} returned {'None' if result is None else 'a ' + type(result).__name__}; a method must return "
+            "the pair (inv_freq, attention_factor)."
+        )
+    inv_freq, attention_factor = result
+    if isinstance(inv_freq, torch.Tensor) and not inv_freq.is_floating_point():
+        raise ValueError(f"{where} returned inv_freq of dtype {inv_freq.dtype}; it must be a floating-point tensor.")
+    try:
+        inv_freq = torch.as_tensor(inv_freq, dtype=torch.float64).detach()
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{where} returned inv_freq that is not a tensor of real numbers ({error}).") from None
+    if inv_freq.shape != (rotary_dim // 2,):
+        raise ValueError(
+            f"{where} returned inv_freq of shape {tuple(inv_freq.shape)}, expected ({rotary_dim // 2},) "
+            f"(rotary dimension {rotary_dim} / 2)."
+        )
+    meta = inv_freq.device.type == "meta"  # from_pretrained builds models on the meta device: no values yet
+    inv_freq = inv_freq if meta else inv_freq.cpu()
+    bad = None if meta else ~(torch.isfinite(inv_freq) & (inv_freq > 0))
+    if bad is not None and bad.any():
+        index = int(bad.nonzero()[0])
+        raise ValueError(
+            f"{where} returned inv_freq[{index}] = {inv_freq[index].item()!r}; every frequency must be finite and > 0."
+        )
+    scalar_tensor = isinstance(attention_factor, torch.Tensor) and attention_factor.numel() == 1
+    if not (_is_real(attention_factor) or scalar_tensor):
+        raise ValueError(f"{where} returned attention factor {attention_factor!r}; it must be a number.")
+    attention_factor = float(attention_factor)
+    if not (math.isfinite(attention_factor) and attention_factor > 0):
+        raise ValueError(f"{where} returned attention factor {attention_factor!r}; it must be finite and > 0.")
+    return inv_freq, attention_factor
+
+
 # ----------------------------------------------------------------------------------------------
 # Registry
 # ----------------------------------------------------------------------------------------------
@@ -479,7 +525,7 @@ def resolve_params(method: RopeMethod, rotary_dim: int, user_params: Mapping[str
             f"Parameters this method accepts: {valid}."
         )
     params = dict(method.defaults)
-    params.update(user_params)
+    params.update({key: plain_value(value) for key, value in user_params.items()})
     missing = [key for key, value in params.items() if value is REQUIRED]
     if missing:
         raise ValueError(f"Method {method.name!r} needs parameter(s) {missing}; pass them to patch_model.")
@@ -492,6 +538,24 @@ def resolve_params(method: RopeMethod, rotary_dim: int, user_params: Mapping[str
     if method.validate is not None:
         method.validate(rotary_dim, params)
     return params
+
+
+def plain_value(value: Any) -> Any:
+    """``value`` as plain Python: numpy and torch scalars become ``int``/``float``/``bool``,
+    arrays, tensors and tuples become lists of those (so a patch can be written as JSON)."""
+    if type(value) in (bool, int, float, str) or value is None:
+        return value
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":  # scalars and arrays alike
+        return plain_value(value.tolist()) if hasattr(value, "tolist") else value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return [plain_value(item) for item in value]
+    return value
 
 
 # Keyword arguments of patch_model, for "did you mean" hints on misspelled parameters.

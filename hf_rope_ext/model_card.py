@@ -351,6 +351,86 @@ def _hub_base_model(candidate: Any) -> str:
     return candidate
 
 
+def _patch_label(method: Any, scale: Any) -> str:
+    return f"{method} x{scale:g}" if isinstance(scale, (int, float)) and not isinstance(scale, bool) else f"{method}"
+
+
+def _same_folder(name: Any, folder: Any) -> bool:
+    if not isinstance(name, str) or not isinstance(folder, str) or not name or not folder:
+        return False
+    try:
+        return Path(name).resolve() == Path(folder).resolve()
+    except OSError:
+        return False
+
+
+def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str, Any] | None,
+                         records: list[dict[str, Any]], eval_dir: Any, summary_path: Any) -> None:
+    """Refuse a training summary or an evaluation folder of another checkpoint.
+
+    The training run must have made this patch (method, scale, original context and, where the
+    summary records it, the method's parameters). The evaluation folder must hold at least one
+    result of this checkpoint: of a model patched the same way (method, scale, frequency steps),
+    or of this checkpoint folder itself evaluated unpatched (``--methods none``).
+    """
+    here = _patch_label(patch.method.name, patch.scale)
+    if summary is not None:
+        recorded = summary.get("rope_patch") if isinstance(summary.get("rope_patch"), Mapping) else {}
+        trained = {
+            "method": recorded.get("method", summary.get("method")),
+            "scale": recorded.get("scale", summary.get("scale")),
+            "original context": recorded.get("original_max_position_embeddings", summary.get("original_context")),
+        }
+        expected = {"method": patch.method.name, "scale": patch.scale,
+                    "original context": patch.original_max_position_embeddings}  # fmt: skip
+        if isinstance(recorded.get("params"), Mapping):
+            trained["parameters"] = {key: recorded["params"].get(key) for key in patch.params}
+            expected["parameters"] = {key: _as_recorded(value) for key, value in patch.params.items()}
+        wrong = [
+            f"{key} {trained[key]!r} (checkpoint: {expected[key]!r})"
+            for key in expected
+            if trained[key] is not None and not _equal(trained[key], expected[key])
+        ]
+        if wrong:
+            raise ValueError(
+                f"The training summary {summary_path if isinstance(summary_path, (str, os.PathLike)) else ''} is of "
+                f"another run than this {here} checkpoint: {'; '.join(wrong)}. Pass the training_summary.json of the "
+                "run that produced it."
+            )
+    if records:
+        folder = getattr(config, "_name_or_path", None)
+        ours = [
+            record for record in records
+            if _same_patch(record, patch)
+            or (record.get("method") == "none" and _same_folder(record.get("model"), folder))
+        ]  # fmt: skip
+        if not ours:
+            found = sorted({_patch_label(record.get("method"), record.get("scale")) + (
+                f" ({record.get('model')})" if record.get("method") == "none" and record.get("model") else "")
+                for record in records})  # fmt: skip
+            raise ValueError(
+                f"The evaluation folder {eval_dir} holds no result of this {here} checkpoint (its results: "
+                f"{', '.join(found)}). Pass the --eval-dir of an evaluation of this checkpoint (hf-rope-ext eval "
+                f"--model {folder or 'CHECKPOINT'} --methods none) or of its patch on the base model (--methods "
+                f"{patch.method.name} --scales {patch.scale:g})."
+            )
+
+
+def _as_recorded(value: Any) -> Any:
+    """A parameter as the patch record writes it (lists for tuples and tensors)."""
+    return config_io._json_value(value)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-9)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_equal(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def render_model_card(
     config: Any,
     *,
@@ -401,6 +481,7 @@ def render_model_card(
             "Pass template_path= (--template)."
         )
 
+    _check_inputs_belong(patch, config, summary, records, eval_dir, training_summary)
     method = patch.method
     name = repo_id.split("/")[-1] if repo_id else f"{base_model.split('/')[-1]}-{method.name}-x{patch.scale:g}"
     settings = runtime_settings(config)
@@ -506,9 +587,9 @@ def add_parser(subparsers) -> None:
 
 
 def _card_command(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
+    from .hub import read_checked_config
 
-    config = AutoConfig.from_pretrained(args.model_dir)
+    config = read_checked_config(args.model_dir)
     card, plots = render_model_card(
         config,
         base_model=args.base_model,
@@ -518,6 +599,11 @@ def _card_command(args: argparse.Namespace) -> int:
         license=args.license,
         template_path=args.template,
     )
-    output = write_model_card(card, args.output or Path(args.model_dir) / "README.md", plots)
+    destination = Path(args.output or Path(args.model_dir) / "README.md")
+    try:
+        output = write_model_card(card, destination, plots)
+    except OSError as error:
+        raise OSError(f"Cannot write the model card to {destination}: {error.strerror or error}. Pass a writable "
+                      "--output.") from error
     print(f"Wrote {output}" + (f" and {len(plots)} plot(s)" if plots else ""))
     return 0

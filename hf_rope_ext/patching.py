@@ -118,14 +118,47 @@ def _check_scale(scale: Any, name: str = "scale") -> float:
     return scale
 
 
-def _check_length(value: Any, name: str) -> int:
+def _check_length(value: Any, name: str, what: str = "number of tokens") -> int:
+    """``value`` as a positive int; the errors say it is a positive integer ``what``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         if isinstance(value, float) and value.is_integer():
-            return _check_length(int(value), name)
-        raise TypeError(f"{name} must be a positive integer number of tokens, got {value!r}.")
+            return _check_length(int(value), name, what)
+        raise TypeError(f"{name} must be a positive integer {what}, got {value!r}.")
     if value <= 0:
-        raise ValueError(f"{name} must be a positive number of tokens, got {value}.")
+        raise ValueError(f"{name} must be a positive {what}, got {value}.")
     return int(value)
+
+
+def _check_steps(value: Any) -> int | None:
+    """``steps_per_doubling``: a positive integer, or None (the exact length)."""
+    if value is None:
+        return None
+    return _check_length(value, "steps_per_doubling", "number of frequency steps per doubling of the length (or None)")
+
+
+def whole_token_scale(scale: float, original_length: int) -> float:
+    """The scale, rounded so that the extended context ``L0 * scale`` is a whole number of tokens.
+
+    The rule: the extended context is ``L0 * scale`` rounded to the nearest token, and the scale
+    becomes ``extended / L0`` (so ``factor`` and ``max_position_embeddings / L0`` agree, as
+    transformers checks). A warning says when this changes the scale by more than float
+    rounding. A scale that extends the context by less than half a token is refused.
+    """
+    target = original_length * scale
+    extended = int(math.floor(target + 0.5))
+    if extended <= original_length:
+        raise ValueError(
+            f"scale={scale!r} extends the original context of {original_length} tokens by "
+            f"{target - original_length:.3g} tokens, less than half a token; the smallest extension is "
+            f"scale={(original_length + 1) / original_length!r} (max_length={original_length + 1})."
+        )
+    whole = extended / original_length
+    if not math.isclose(whole, scale, rel_tol=1e-9):
+        logger.warning(
+            "scale %r gives %.6g tokens over the original %d; using scale %r (%d tokens) so that the extended context "
+            "is a whole number of tokens.", scale, target, original_length, whole, extended,
+        )  # fmt: skip
+    return whole
 
 
 def _resolve_scale(scale: Any, max_length: Any, original_length: int) -> float:
@@ -144,7 +177,7 @@ def _resolve_scale(scale: Any, max_length: Any, original_length: int) -> float:
                 "nothing to extend."
             )
         return _check_scale(max_length / original_length, "max_length / original context")
-    return _check_scale(scale)
+    return whole_token_scale(_check_scale(scale), original_length)
 
 
 def _original_length(config: Any, original_max_length: Any) -> int:
@@ -159,11 +192,25 @@ def _original_length(config: Any, original_max_length: Any) -> int:
     return _check_length(value, "config.max_position_embeddings")
 
 
+# A model cast to fp16/bf16 (and perhaps back) carries frequencies rounded to that dtype, so they
+# are compared within the coarser rounding of the two: bfloat16's relative eps, and fp16's
+# subnormal spacing for tiny frequencies. Other layouts differ far more (scaled, other base,
+# partial or interleaved rotation).
+_FREQUENCY_RTOL = torch.finfo(torch.bfloat16).eps
+_FREQUENCY_ATOL = torch.finfo(torch.float16).tiny * torch.finfo(torch.float16).eps
+
+
 def _verify_layout(module: nn.Module, rotary_dim: int, base: float, model_type: str) -> None:
-    """Check that the module computes plain RoPE as ``cat(freqs, freqs)`` from ``rope_theta``."""
+    """Check that the module computes plain RoPE as ``cat(freqs, freqs)`` from ``rope_theta``.
+
+    ``model.half()`` / ``model.to(torch.bfloat16)`` round the module's frequency buffers, so they
+    are compared within that rounding; the patch rebuilds them from ``rope_theta`` in full precision.
+    """
     original = getattr(module, "original_inv_freq", module.inv_freq).detach().double().cpu()
     expected = default_inv_freq(rotary_dim, base)
-    if original.shape != expected.shape or not torch.allclose(original, expected, rtol=1e-5, atol=0):
+    if original.shape != expected.shape or not torch.allclose(
+        original, expected, rtol=_FREQUENCY_RTOL, atol=_FREQUENCY_ATOL
+    ):
         raise ValueError(
             f"model_type {model_type!r}: the rotary module's frequencies are not plain RoPE with "
             f"rope_theta={base} over {rotary_dim} dimensions; this layout is not supported."
@@ -181,7 +228,9 @@ def _verify_layout(module: nn.Module, rotary_dim: int, base: float, model_type: 
         ) from error
     angles = positions[..., None].double() * expected.to(device)
     reference = torch.cat((angles, angles), dim=-1)
-    if cos.shape[-1] != rotary_dim or not torch.allclose(cos.double(), reference.cos(), atol=1e-5):
+    # Angles up to 7 * inv_freq (<= 7 rad): their error is at most 7 times the frequencies' rounding.
+    tolerance = 1e-5 + 8 * _FREQUENCY_RTOL
+    if cos.shape[-1] != rotary_dim or not torch.allclose(cos.double(), reference.cos(), atol=tolerance):
         raise ValueError(
             f"model_type {model_type!r}: its rotary module does not return cos/sin laid out as cat(freqs, freqs) "
             "(rotate-half); interleaved or other layouts are not supported."
@@ -222,7 +271,9 @@ def patch_model(
 
     Args:
         model: a transformers ``*ForCausalLM``, its base model, or a peft wrapper of either.
-        scale: how many times the original context to reach (> 1). Or give ``max_length``.
+        scale: how many times the original context to reach (> 1), rounded so that the
+            extended context is a whole number of tokens (:func:`whole_token_scale`). Or give
+            ``max_length``.
         method: a registered method (see :func:`hf_rope_ext.list_methods`); default
             ``"dynamic-yarn"``.
         max_length: target context in tokens; ``scale = max_length / original context``.
@@ -276,15 +327,15 @@ def patch_model(
     if rope_method.length_dependent:
         if steps_per_doubling is _UNSET:
             steps_per_doubling = DEFAULT_STEPS_PER_DOUBLING
-        elif steps_per_doubling is not None:
-            steps_per_doubling = _check_length(steps_per_doubling, "steps_per_doubling")
+        else:
+            steps_per_doubling = _check_steps(steps_per_doubling)
     elif steps_per_doubling is not _UNSET:
         raise ValueError(f"steps_per_doubling only applies to length-dependent methods; {method!r} is static.")
     else:
         steps_per_doubling = None
 
     rotary = ExtendedRotaryEmbedding(original, rope_method, resolved, rotary_dim, base, steps_per_doubling)
-    extended = int(math.ceil(original_length * scale))
+    extended = config_io.extended_length(original_length, scale)
     inv_freq, attention = rotary.frequencies(extended)
     unchanged = torch.allclose(inv_freq, default_inv_freq(rotary_dim, base), rtol=1e-9, atol=0) and attention == 1.0
     if unchanged and remap is None and not logn_attention:
@@ -295,8 +346,17 @@ def patch_model(
 
     kept = {key: rope[key] for key in ("partial_rotary_factor",) if key in rope}
     new_rope, max_positions = config_io.rope_config_for(rope_method, resolved, base, rotary_dim, kept)
-    rotary._saved_config = compat.snapshot_config(config, (config_io.RECORD_ATTRIBUTE,))
-    compat.write_rope_config(config, new_rope, max_positions)
+    # Phi-3 configs also hold the trained context at the top level, and transformers takes it over
+    # rope_parameters' (its class default, 4096, often differs): it must say L0 as well.
+    top_level = ("original_max_position_embeddings",) if hasattr(config, "original_max_position_embeddings") else ()
+    rotary._saved_config = compat.snapshot_config(config, (config_io.RECORD_ATTRIBUTE, *top_level))
+    try:
+        if top_level:
+            config.original_max_position_embeddings = original_length
+        compat.write_rope_config(config, new_rope, max_positions)
+    except Exception:
+        compat.restore_config(config, rotary._saved_config)
+        raise
     record = config_io.patch_record(rope_method, resolved, base, steps_per_doubling)
     if logn_attention:
         record["logn_attention"] = True
@@ -358,7 +418,7 @@ def get_patch_info(model: nn.Module) -> PatchInfo | None:
         method=rotary.method.name,
         scale=rotary.params["factor"],
         original_max_position_embeddings=rotary.original_max_seq_len,
-        max_position_embeddings=int(math.ceil(rotary.original_max_seq_len * rotary.params["factor"])),
+        max_position_embeddings=config_io.extended_length(rotary.original_max_seq_len, rotary.params["factor"]),
         params=params,
         steps_per_doubling=rotary.steps_per_doubling,
         module_name=module_name,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .methods import RopeMethod
+from .methods import RopeMethod, checked_frequencies, default_inv_freq
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ class ExtendedRotaryEmbedding(nn.Module):
 
     Replaces a model's rotary module instance (kept in ``original_rotary`` for
     :func:`hf_rope_ext.unpatch_model`). Static methods compute their frequencies once.
-    Length-dependent methods use the frequencies of the current length ``L = max(position_ids) + 1``,
+    Length-dependent methods use the frequencies of the current length ``L = max(position_ids) + 1``
+    over the whole batch (every row gets the longest row's frequencies, as in transformers),
     rounded up beyond the original context to one of ``steps_per_doubling`` geometric steps per
     doubling (``L0 * 2 ** (k / n)``); the output depends on the call's positions only, never
     on earlier calls. Keeping a KV cache consistent with these frequencies is the job of
@@ -146,6 +147,12 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.attention_patch = None  # set by patch_model for attention-level methods and log-n attention
 
         initial = self._frequencies_for_length(None)
+        # Inside the original context a length-dependent method may still differ from plain RoPE
+        # (longrope: short_factor and its attention factor); only where it does not is the original
+        # module's own output used there.
+        self.original_inside_context = (
+            torch.equal(initial.inv_freq_f64, default_inv_freq(rotary_dim, base)) and initial.attention_factor == 1.0
+        )
         inv_freq, exact = initial.tensors(original.inv_freq.device)
         # Buffers, so that torch.compile and device moves see them; `_apply` keeps their dtypes.
         self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
@@ -176,14 +183,8 @@ class ExtendedRotaryEmbedding(nn.Module):
         key = self.effective_length(seq_len)
         cached = self._frequencies.get(key)
         if cached is None:
-            inv_freq, attention_factor = self.method.compute(self.rotary_dim, self.base, self.params, key)
-            inv_freq = torch.as_tensor(inv_freq, dtype=torch.float64).detach().cpu()
-            if inv_freq.shape != (self.rotary_dim // 2,):
-                raise ValueError(
-                    f"Method {self.method.name!r} returned inv_freq of shape {tuple(inv_freq.shape)}, "
-                    f"expected ({self.rotary_dim // 2},)."
-                )
-            cached = _Frequencies(inv_freq, float(attention_factor))
+            inv_freq, attention_factor = checked_frequencies(self.method, self.rotary_dim, self.base, self.params, key)
+            cached = _Frequencies(inv_freq, attention_factor)
             if len(self._frequencies) >= 64:  # token-exact lengths visit many values; keep the newest
                 self._frequencies.pop(next(iter(self._frequencies)))
             self._frequencies[key] = cached
@@ -206,11 +207,15 @@ class ExtendedRotaryEmbedding(nn.Module):
         inv_freq, exact = self._current.tensors(device)
         self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
         self.register_buffer("inv_freq_exact", exact.clone(), persistent=False)
-        original = self.original_rotary
-        if original.inv_freq.device != device:  # outside the module tree: move it along, keep its dtype
-            for name, buffer in list(original.named_buffers(recurse=False)):
-                setattr(original, name, buffer.to(device))
+        # The original module is outside the module tree: cast and move it as the unpatched model
+        # would be, so that patch, cast, unpatch gives what the cast alone gives.
+        self.original_rotary._apply(fn, recurse)
         return self
+
+    def _use_original_module(self) -> bool:
+        # Not after a cast to fp16/bf16: the original module's frequencies are rounded then,
+        # while this module's stay float64/float32.
+        return self.original_inside_context and self.original_rotary.inv_freq.dtype == torch.float32
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -219,7 +224,7 @@ class ExtendedRotaryEmbedding(nn.Module):
         if self.method.length_dependent:
             # One host sync per forward, as in transformers' dynamic types.
             length = int(position_ids.max()) + 1
-            if length <= self.original_max_seq_len:
+            if length <= self.original_max_seq_len and self._use_original_module():
                 # Inside the original context the method is the original RoPE: use the original
                 # module itself, so outputs are bitwise those of the unpatched model.
                 self._current, self.attention_scaling = self._frequencies_for_length(None), 1.0

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
+import os
+import stat
 import time
 from pathlib import Path
 
@@ -362,6 +365,59 @@ def test_truncated_last_line_is_dropped_and_recomputed(tmp_path):
     records = run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False)
     assert counter.calls == 1 and len(records) == 2
     assert all(json.loads(line) for line in results.read_text().splitlines())
+
+
+def test_results_file_without_final_newline_is_appended_on_a_fresh_line(tmp_path):
+    model = make_model("llama")
+    documents = {"doc": random_ids(80)[0]}
+    run_evaluation(model, CharTokenizer(), _plan(methods=["none"], scales=[], ppl_lengths=[24]), tmp_path,
+                   documents=documents, progress=False)  # fmt: skip
+    results = tmp_path / "results.jsonl"
+    written = results.read_text()
+    results.write_text(written.rstrip("\n"))  # as an editor that strips the final newline leaves it
+    run_evaluation(model, CharTokenizer(), _plan(methods=["none"], scales=[], ppl_lengths=[24, 64]), tmp_path,
+                   documents=documents, progress=False)  # fmt: skip
+    lines = results.read_text().splitlines()
+    assert lines[0] == written.rstrip("\n")  # nothing already written is lost
+    assert [json.loads(line)["context_length"] for line in lines] == [24, 64]
+    assert len(read_results(tmp_path)) == 2  # and a later run reads every line
+
+
+def test_documents_and_models_are_identified_by_content_not_name(tmp_path, caplog):
+    model = make_model("llama")
+    plan = _plan(methods=["none"], scales=[], ppl_lengths=[24])
+    with caplog.at_level(logging.INFO, logger="hf_rope_ext.evaluation.runner"):
+        first = run_evaluation(model, CharTokenizer(), plan, tmp_path, documents={"book": random_ids(80, seed=1)[0]},
+                               model_name="my-model", progress=False)  # fmt: skip
+    assert "documents by a hash of their tokens" in caplog.text
+    # Another text saved under the same name: refused, not reported with the old text's numbers.
+    with pytest.raises(EvaluationError, match="document named 'book' with other content"):
+        run_evaluation(model, CharTokenizer(), plan, tmp_path, documents={"book": random_ids(80, seed=2)[0]},
+                       model_name="my-model", progress=False)  # fmt: skip
+    # Another checkpoint under the same name (other weights): refused too.
+    with pytest.raises(EvaluationError, match="model named 'my-model' .* config or weights differ"):
+        run_evaluation(make_model("llama", seed=5), CharTokenizer(), plan, tmp_path,
+                       documents={"book": random_ids(80, seed=1)[0]}, model_name="my-model", progress=False)
+    assert len(read_results(tmp_path)) == 1
+    # The same text under another name is a new document; the same model and text resume.
+    again = run_evaluation(model, CharTokenizer(), plan, tmp_path, documents={"book": random_ids(80, seed=1)[0]},
+                           model_name="my-model", progress=False)  # fmt: skip
+    assert again == first
+    fresh = run_evaluation(model, CharTokenizer(), plan, tmp_path / "other",
+                           documents={"book": random_ids(80, seed=2)[0]}, model_name="my-model", progress=False)
+    assert fresh[0]["ppl"] != first[0]["ppl"]
+
+
+def test_results_and_reports_get_the_users_umask_permissions(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        run_evaluation(make_model("llama"), CharTokenizer(), _plan(methods=["none"], scales=[], ppl_lengths=[24]),
+                       tmp_path, documents={"doc": random_ids(80)[0]}, progress=False)  # fmt: skip
+    finally:
+        os.umask(previous)
+    written = [path for path in tmp_path.iterdir() if path.is_file()]
+    assert {"results.jsonl", "results.md"} <= {path.name for path in written}
+    assert {path.name: stat.S_IMODE(path.stat().st_mode) for path in written} == {path.name: 0o644 for path in written}
 
 
 def test_identical_cases_are_reused_and_equal_a_fresh_computation(tmp_path):

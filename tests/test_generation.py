@@ -203,3 +203,24 @@ def test_manual_cache_loop_and_foreign_cache():
         with pytest.raises(RuntimeError, match="fresh cache"):
             model(ids[:, L0 + 5 : L0 + 6], past_key_values=stale, use_cache=True)
     unpatch_model(model)
+
+
+def test_length_dependent_frequencies_follow_the_longest_row_of_the_batch():
+    """The documented rule: one set of frequencies per forward, those of max(position_ids) + 1 over
+    the whole batch (as transformers' dynamic). A left-padded short row batched with a longer one
+    gets the longer row's frequencies, so its logits depend on the batch."""
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn", steps_per_doubling=None)  # frequencies of the exact length
+    short, long = random_ids(40, seed=3), random_ids(60, seed=4)
+    batch = torch.cat([torch.cat([torch.zeros(1, 20, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(batch)
+    mask[0, :20] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate computes them: the short row ends at 39
+    # dynamic-yarn at 60 tokens is yarn at scale 60 / L0: transformers' own yarn, on the short row alone.
+    longest = native_twin(model, {"rope_type": "yarn", "factor": 60 / L0, "original_max_position_embeddings": L0}, L0)
+    with torch.no_grad():
+        together = model(batch, attention_mask=mask, position_ids=position_ids).logits[0, 20:]
+        alone = model(short).logits[0]
+        expected = longest(short).logits[0]
+    torch.testing.assert_close(together, expected, rtol=0, atol=2e-5)
+    assert (together - alone).abs().max() > 1e-3  # alone, the row gets the frequencies of 40 tokens

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -325,6 +326,35 @@ def test_contradictory_config_is_refused(tmp_path, method, edit, message):
         load_patched(folder)
 
 
+def _edit_raw_config(folder: Path, edit) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "method, edit, message",
+    [
+        ("yarn", lambda c: c["rope_parameters"].update(factor=8.0), "factor is 8.0 in rope_parameters, 4.0 in rope_scaling"),
+        ("yarn", lambda c: c["rope_parameters"].update(factor="8"), "factor is '8' in rope_parameters, 4.0 in rope_scaling"),
+        ("dynamic-yarn", lambda c: c["rope_scaling"].update(factor=2.0), "factor is 4.0 in rope_parameters, 2.0 in rope_scaling"),
+        ("ntk", lambda c: c["rope_parameters"].update(rope_theta=10000.0), r"rope_theta is 10000.0 in rope_parameters, .* at the top level"),
+        ("ntk", lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 4.0}), "rope_parameters is plain RoPE"),
+        ("llama3", lambda c: c["rope_scaling"].pop("low_freq_factor"), "low_freq_factor is 1.0 in rope_parameters, 'missing' in rope_scaling"),
+        ("longrope", lambda c: c.update(original_max_position_embeddings=64), "original_max_position_embeddings is 32 in rope_parameters, 64 at the top level"),
+    ],
+)  # fmt: skip
+def test_rope_parameters_and_legacy_rope_scaling_must_agree(tmp_path, method, edit, message):
+    model = make_model("llama")
+    _patch(model, method)
+    folder = save_patched(model, tmp_path / "ckpt")
+    _edit_raw_config(folder, edit)
+    with pytest.raises(ValueError, match=f"spells the RoPE settings twice and the two disagree .*{message}"):
+        load_patched(folder)
+    assert cli_main(["runtimes", "--model-dir", str(folder)]) == 2
+
+
 def test_custom_type_contradiction_stops_plain_from_pretrained(tmp_path):
     model = make_model("llama")
     _patch(model, "dynamic-yarn")
@@ -422,6 +452,82 @@ def test_failed_save_leaves_the_target_alone(tmp_path):
         save_patched(model, target, card="x", card_assets=[tmp_path / "missing.png"])
     assert {path.name: path.read_bytes() for path in target.iterdir()} == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_failed_save_to_a_new_folder_leaves_nothing_behind(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    with pytest.raises(FileNotFoundError):
+        save_patched(model, tmp_path / "new" / "deeper" / "ckpt", card="x", card_assets=[tmp_path / "missing.png"])
+    assert list(tmp_path.iterdir()) == []  # no empty target (or parent) that load_patched would misread
+
+
+def test_numpy_parameters_are_plain_numbers_and_save(tmp_path):
+    import numpy as np
+
+    model = make_model("llama")
+    patch_model(model, scale=np.float32(4), method="yarn", beta_fast=np.float32(30), beta_slow=np.int64(2),
+                truncate=np.bool_(False))  # fmt: skip
+    info = get_patch_info(model)
+    assert type(info.scale) is float and info.params["beta_fast"] == 30.0
+    assert [type(info.params[key]) for key in ("beta_fast", "beta_slow", "truncate")] == [float, int, bool]
+    json.dumps(model.config.to_dict())  # what save_pretrained writes
+    patch_model(model, scale=4, method="longrope", long_factor=np.array(LONG_FACTOR, dtype=np.float32))
+    assert get_patch_info(model).params["long_factor"] == LONG_FACTOR
+    patch_model(model, scale=np.float32(4), method="yarn", beta_fast=np.float32(30))
+    target = save_patched(model, tmp_path / "ckpt")
+    reference = make_model("llama")
+    patch_model(reference, scale=4, method="yarn", beta_fast=30)
+    reloaded = load_patched(target, attn_implementation="eager").eval()
+    ids = random_ids(LENGTH)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, reference(ids).logits, rtol=0, atol=2e-5)
+
+
+def test_saved_checkpoint_and_card_get_the_users_umask_permissions(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    previous = os.umask(0o027)
+    try:
+        target = save_patched(model, tmp_path / "ckpt", card="# card")
+        card = write_model_card("# card", tmp_path / "cards" / "README.md")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o750
+    assert {stat.S_IMODE(path.stat().st_mode) for path in target.iterdir()} == {0o640}
+    assert stat.S_IMODE(card.stat().st_mode) == 0o640
+
+
+def test_phi3_with_its_default_original_context_saves_and_loads(tmp_path):
+    """Phi-3 configs keep a top-level original_max_position_embeddings (default 4096) that need not
+    be max_position_embeddings; transformers gives it priority over rope_parameters'."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from conftest import TINY_SHAPE
+
+    config = AutoConfig.for_model("phi3", **{**TINY_SHAPE, "max_position_embeddings": 2 * L0}, pad_token_id=0)
+    assert config.original_max_position_embeddings == 4096  # the class default
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    before = model.config.to_dict()
+    patch_model(model, scale=4, method="longrope", long_factor=LONG_FACTOR)
+    assert model.config.original_max_position_embeddings == 2 * L0  # the context the patch extends
+    rotary = model.model.rotary_emb
+    for length in (2 * L0, 2 * L0 + 1):  # transformers' own longrope on the patched config, short and long
+        expected, attention = ROPE_INIT_FUNCTIONS["longrope"](model.config, seq_len=length)
+        got, got_attention = rotary.frequencies(length)
+        torch.testing.assert_close(got.float(), expected, rtol=1e-6, atol=0)
+        assert got_attention == pytest.approx(attention)
+    loaded = load_patched(save_patched(model, tmp_path / "ckpt"), attn_implementation="eager").eval()
+    ids = random_ids(5 * L0)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=2e-5)
+    unpatch_model(model)
+    metadata = ("architectures", "dtype", "_name_or_path", "transformers_version")  # set by save_pretrained
+    after = model.config.to_dict()
+    assert {key: after[key] for key in after if key not in metadata} == {
+        key: before[key] for key in before if key not in metadata
+    }
+    assert after["original_max_position_embeddings"] == 4096
 
 
 class RecordingApi:
@@ -657,6 +763,42 @@ def test_model_card_of_a_length_dependent_patch_takes_only_its_own_frequency_ste
     text = str(card)  # the full table keeps every record, labelled with its steps
     assert f"dynamic-yarn ({DEFAULT_STEPS_PER_DOUBLING + 3} steps/doubling) | 4 |" in text and "22.22" in text
     assert "dynamic-yarn (steps unrecorded) | 4 |" in text and "33.33" in text
+
+
+def test_model_card_refuses_a_training_summary_or_evaluation_of_another_checkpoint(tmp_path, capsys):
+    model = make_model("llama")
+    _patch(model, "yarn")  # yarn x4
+    folder = save_patched(model, tmp_path / "ckpt")
+    config = AutoConfig.from_pretrained(folder)
+    other_run = {**TRAINING, "method": "dynamic-yarn", "scale": 2.0}
+    with pytest.raises(ValueError, match=r"of another run than this yarn x4 checkpoint: method 'dynamic-yarn'"):
+        render_model_card(config, training_summary=other_run)
+    with pytest.raises(ValueError, match=r"parameters .*'beta_fast': 16.0"):
+        render_model_card(config, training_summary={**TRAINING, "rope_patch": {
+            "method": "yarn", "scale": 4.0, "original_max_position_embeddings": L0,
+            "params": {"beta_fast": 16.0, "beta_slow": 1.0, "attention_factor": None, "truncate": True}}})
+
+    def eval_folder(name, records):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "results.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+        return path
+
+    other_patch = eval_folder("other-patch", [{**RESULTS[1], "method": "dynamic-yarn", "scale": 2.0}])
+    with pytest.raises(ValueError, match=r"holds no result of this yarn x4 checkpoint \(its results: dynamic-yarn x2\)"):
+        render_model_card(config, base_model="org/tiny-base", eval_dir=other_patch)
+    other_model = eval_folder("other-model", [{**RESULTS[0], "model": str(tmp_path / "other-ckpt")}])
+    (tmp_path / "other-ckpt").mkdir()
+    with pytest.raises(ValueError, match="holds no result of this yarn x4 checkpoint"):
+        render_model_card(config, base_model="org/tiny-base", eval_dir=other_model)
+    assert cli_main(["card", "--model-dir", str(folder), "--base-model", "org/tiny-base", "--eval-dir",
+                     str(other_patch)]) == 2  # fmt: skip
+    assert "holds no result" in capsys.readouterr().err
+    # What belongs: this folder evaluated unpatched, or its patch on the base model, with the matching run.
+    own = eval_folder("own", [{**RESULTS[0], "model": str(folder)}])
+    card, _ = render_model_card(config, eval_dir=own, training_summary=TRAINING)
+    assert "40.12" in str(card)
+    render_model_card(config, eval_dir=eval_folder("patch", RESULTS[1:2]), training_summary=TRAINING)
 
 
 def test_model_card_inputs_are_checked(tmp_path):

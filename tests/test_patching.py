@@ -77,18 +77,142 @@ def test_matches_transformers_native_implementation(family, method, kwargs, rope
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("method", ["dynamic", "dynamic-yarn", "dynamic-linear", "longrope"])
+@pytest.mark.parametrize("method", ["dynamic", "dynamic-yarn", "dynamic-linear"])
 def test_length_dependent_methods_identical_inside_original_context(family, method):
     model = make_model(family)
     ids = random_ids(L0, batch=2)
     with torch.no_grad():
         before = model(ids).logits
-        extra = {"long_factor": LONG_FACTOR} if method == "longrope" else {}
-        patch_model(model, scale=8, method=method, **extra)
+        patch_model(model, scale=8, method=method)
         after = model(ids).logits
         longer = model(random_ids(L0 + 1, batch=2)).logits[:, :L0]
     assert torch.equal(before, after)
     assert not torch.allclose(before, longer, atol=1e-4)  # one token beyond L0 does change them
+
+
+SHORT_FACTOR = [1.0 + 0.1 * i for i in range(8)]
+
+
+def _transformers_reference(method, length):
+    """transformers' own rope_parameters (and max_position_embeddings) giving the frequencies of
+    ``method`` at scale 4 for an input of ``length`` tokens."""
+    if method == "dynamic":
+        return {"rope_type": "dynamic", "factor": 4.0}, L0
+    if method == "longrope":
+        rope = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": L0,
+                "long_factor": LONG_FACTOR, "short_factor": SHORT_FACTOR}  # fmt: skip
+        return rope, 4 * L0
+    if length <= L0:  # dynamic-yarn and dynamic-linear are the original RoPE inside L0
+        return {"rope_type": "default"}, L0
+    factor = length / L0  # ... and yarn / linear at scale L / L0 beyond it
+    if method == "dynamic-yarn":
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": L0}, L0
+    return {"rope_type": "linear", "factor": factor}, L0
+
+
+@pytest.mark.parametrize("method", ["dynamic", "dynamic-yarn", "dynamic-linear", "longrope"])
+def test_length_dependent_methods_below_at_and_above_original_context(method):
+    """Each length-dependent method against transformers and against its own frequency function,
+    at lengths below, at and above L0 (exact-length frequencies)."""
+    from hf_rope_ext.methods import get_method
+
+    model = make_model("llama")
+    extra = {"long_factor": LONG_FACTOR, "short_factor": SHORT_FACTOR} if method == "longrope" else {}
+    patch_model(model, scale=4, method=method, steps_per_doubling=None, **extra)
+    rotary = model.model.rotary_emb
+    params = dict(rotary.params)
+    ids = random_ids(3 * L0)
+    for length in (L0 - 5, L0, L0 + 1, 2 * L0 + 3):
+        positions = torch.arange(length)[None]
+        with torch.no_grad():
+            cos, sin = rotary(torch.zeros(1), positions)
+        inv_freq, attention = get_method(method).compute(rotary.rotary_dim, rotary.base, params, length)
+        angles = positions[0, :, None].double() * inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        torch.testing.assert_close(cos[0].double(), angles.cos() * attention, rtol=0, atol=2e-6)
+        torch.testing.assert_close(sin[0].double(), angles.sin() * attention, rtol=0, atol=2e-6)
+        rope, max_positions = _transformers_reference(method, length)
+        twin = native_twin(model, rope, max_positions)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids[:, :length]).logits, twin(ids[:, :length]).logits, rtol=0, atol=2e-5)
+
+
+def test_longrope_inside_original_context_uses_short_factor_and_attention_factor():
+    model = make_model("llama")
+    ids = random_ids(L0 - 8)
+    with torch.no_grad():
+        before = model(ids).logits
+        patch_model(model, scale=4, method="longrope", long_factor=LONG_FACTOR)  # short_factor: all ones
+        after = model(ids).logits
+    # The attention factor sqrt(1 + ln 4 / ln L0) applies at every length, as in transformers.
+    twin = native_twin(model, _transformers_reference("longrope", L0)[0] | {"short_factor": [1.0] * 8}, 4 * L0)
+    with torch.no_grad():
+        torch.testing.assert_close(after, twin(ids).logits, rtol=0, atol=2e-5)
+    assert (after - before).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["yarn", "dynamic-yarn"])
+def test_patching_after_a_cast_to_half_precision(dtype, method):
+    """The usual preparation, model.half() or model.to(bfloat16), then patch_model."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cast_first = make_model("llama").to(dtype)
+    patch_model(cast_first, scale=4, method=method)
+    patched_first = make_model("llama")
+    patch_model(patched_first, scale=4, method=method)
+    patched_first.to(dtype)
+    rotary = cast_first.model.rotary_emb
+    assert rotary.inv_freq.dtype == torch.float32
+    # Frequencies rebuilt in full precision: those of transformers' own yarn at 4 * L0, not the cast ones.
+    twin = native_twin(make_model("llama"), {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L0})
+    expected, attention = ROPE_INIT_FUNCTIONS["yarn"](twin.config)
+    got, got_attention = rotary.frequencies(4 * L0)
+    torch.testing.assert_close(got.float(), expected, rtol=1e-6, atol=0)
+    assert got_attention == pytest.approx(attention)
+    ids = random_ids(3 * L0)
+    with torch.no_grad():
+        assert torch.equal(cast_first(ids).logits, patched_first(ids).logits)
+        inside = ids[:, : L0 - 2]  # inside the original context too (no cast frequencies used)
+        assert torch.equal(cast_first(inside).logits, patched_first(inside).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_patch_cast_unpatch_equals_a_plain_cast(dtype):
+    plain = make_model("llama").to(dtype)
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    model.to(dtype)
+    unpatch_model(model)
+    buffers, expected = dict(model.named_buffers()), dict(plain.named_buffers())
+    assert buffers.keys() == expected.keys()
+    for name, buffer in expected.items():
+        assert buffers[name].dtype == buffer.dtype and torch.equal(buffers[name], buffer), name
+    ids = random_ids(L0 + 8)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain(ids).logits)
+
+
+def test_patching_after_a_cast_and_back():
+    model = make_model("llama").to(torch.bfloat16).to(torch.float32)  # frequencies keep bf16 rounding
+    patch_model(model, scale=4, method="yarn")
+    reference = make_model("llama").to(torch.bfloat16).to(torch.float32)
+    reference.model.rotary_emb = make_model("llama").model.rotary_emb  # the exact frequencies
+    patch_model(reference, scale=4, method="yarn")
+    ids = random_ids(3 * L0)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_frequencies_other_than_rope_are_refused_after_a_cast(dtype):
+    model = make_model("llama").to(dtype)
+    rotary = model.model.rotary_emb
+    for name in ("inv_freq", "original_inv_freq"):
+        getattr(rotary, name).mul_(1.05)  # 5%: far beyond any dtype's rounding
+    with pytest.raises(ValueError, match="not plain RoPE"):
+        patch_model(model, scale=4)
+    assert get_patch_info(model) is None
 
 
 def test_round_trip_is_bitwise(family):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import string
 import subprocess
 import sys
@@ -477,6 +478,20 @@ def test_finished_run_is_never_overwritten(tiny_model, varied_text, tmp_path):
     with pytest.raises(ValueError, match="already holds a run"):
         finetune(config_for(tiny_model, output, varied_text, max_steps=1))
     assert (output / "training_summary.json").read_bytes() == before
+
+
+def test_outputs_get_the_users_umask_permissions(tiny_model, varied_text, tmp_path):
+    output = tmp_path / "run"
+    previous = os.umask(0o022)
+    try:
+        finetune(config_for(tiny_model, output, varied_text, max_steps=1, save_steps=1))
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((output / "training_summary.json").stat().st_mode) == 0o644
+    for folder in ("adapter", "merged", "checkpoints/step-0000001"):
+        assert stat.S_IMODE((output / folder).stat().st_mode) == 0o755, folder
+        for path in (output / folder).iterdir():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
 
 
 # -- several processes --------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli import one_line
 from ..patching import DEFAULT_METHOD, DEFAULT_STEPS_PER_DOUBLING
 from .runner import EvalPlan, EvaluationError, parse_steps_per_doubling
 
@@ -207,8 +208,9 @@ def _guarded(function, args: argparse.Namespace) -> int:
     try:
         return function(args)
     # EvaluationError is a ValueError; patch_model and the loaders raise ValueError with a clear message too.
-    except (ValueError, FileNotFoundError, ImportError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    # OSError: a missing file or folder, or no connection to the Hub.
+    except (ValueError, OSError, ImportError) as error:
+        print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(
@@ -284,7 +286,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args)
     documents = _documents(args, tokenizer, plan.required_document_tokens())
     documents = dict(list(documents.items())[:1])
-    check_documents(plan, documents)
+    check_documents(plan, documents, length_flags="--ppl-length")
     print(
         f"Demo on {_model_label(args.model)} (native context {native_context} tokens), {args.dtype} on "
         f"{'GPU' if on_gpu else 'CPU'}: unpatched, then patch_model(model, scale={settings.scale:g}, "

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..patching import DEFAULT_METHOD
 from .report import bucket_token_count, pool_log_ppl, record_state, state_label
-from .runner import NONE_METHOD, EvalPlan, recorded_steps
+from .runner import NONE_METHOD, EvalPlan, EvaluationError, recorded_steps
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,11 @@ def demo_settings(native_context: int, on_gpu: bool, *, method: str = DEFAULT_ME
         length = native_context + native_context // 2
         settings = DemoSettings(method, scale or 2.0, length, (length,), (0.25, 0.75), 1)
     if ppl_length is not None:
+        if ppl_length <= native_context:  # the table shows positions beyond the native context only
+            raise EvaluationError(
+                f"--ppl-length {ppl_length} is within the model's native context of {native_context} tokens; the demo "
+                f"shows perplexity beyond it. Use more than {native_context} (e.g. {native_context * 3 // 2})."
+            )
         settings = DemoSettings(**{**settings.__dict__, "ppl_length": ppl_length})
     if passkey_length is not None:
         settings = DemoSettings(**{**settings.__dict__, "passkey_lengths": (passkey_length,)})

@@ -10,6 +10,8 @@ Schema (``scale`` is ``null`` for ``method: "none"``, the unpatched model)::
     {"kind": "perplexity", "mode": "buckets" | "sliding", "method": "yarn", "scale": 4.0,
      "steps_per_doubling": null,       # length-dependent methods: n of the patch, or "exact"
      "model": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "fp32", "document": "pg84",
+     "model_fingerprint": "...",       # config and a sample of the weights (model_fingerprint())
+     "document_sha256": "...",         # the document's token ids (document_hash())
      "context_length": 16384,          # L: tokens per forward (window length for "sliding")
      "stride": null | 256,             # S, sliding mode only
      "eval_tokens": null | 32768,      # sliding mode: first N tokens of the document scored
@@ -20,12 +22,17 @@ Schema (``scale`` is ``null`` for ``method: "none"``, the unpatched model)::
      "reused_from": null | {"method": "none", "scale": null, "steps_per_doubling": null}}
 
     {"kind": "retrieval", "task": "passkey" | "needle", "method": "yarn", "scale": 4.0,
-     "steps_per_doubling": null, "model": "...", "dtype": "fp32",
+     "steps_per_doubling": null, "model": "...", "dtype": "fp32", "model_fingerprint": "...",
      "length": 16384,                  # prompt + answer budget: prompts have length - max_new_tokens tokens
      "depth": 0.5, "trials": 5, "seed": 0,
      "needle_count": null | 4, "max_new_tokens": 8,
      "correct": 4, "accuracy": 0.8, "answers": ["12345", ...], "outputs": [" 12345. The", ...],
      "native_context": 8192, "rope_fingerprint": "...", "seconds": 402.0, "reused_from": null}
+
+Documents are identified by their content (``document_sha256``) and the model by its config and
+weights (``model_fingerprint``), not by names alone: a folder whose records name the same
+document or model with other content is refused, so numbers of one text or checkpoint are never
+reported for another. Records written before these fields existed are refused the same way.
 
 ``steps_per_doubling`` is part of a case's identity: results of one frequency grid of the
 length-dependent methods are never taken for another's. A record without the field (written
@@ -74,10 +81,10 @@ NONE_METHOD = "none"
 PPL_MODES = ("buckets", "sliding")
 
 IDENTITY_FIELDS = {
-    "perplexity": ("kind", "mode", "method", "scale", "steps_per_doubling", "model", "dtype", "document",
-                   "context_length", "stride", "eval_tokens", "bucket_size"),
-    "retrieval": ("kind", "task", "method", "scale", "steps_per_doubling", "model", "dtype", "length", "depth",
-                  "trials", "seed", "needle_count", "max_new_tokens"),
+    "perplexity": ("kind", "mode", "method", "scale", "steps_per_doubling", "model", "model_fingerprint", "dtype",
+                   "document", "document_sha256", "context_length", "stride", "eval_tokens", "bucket_size"),
+    "retrieval": ("kind", "task", "method", "scale", "steps_per_doubling", "model", "model_fingerprint", "dtype",
+                  "length", "depth", "trials", "seed", "needle_count", "max_new_tokens"),
 }  # fmt: skip
 # Fields that say which model state produced a case; the rest must match for a reuse.
 _STATE_FIELDS = ("method", "scale", "steps_per_doubling")
@@ -171,12 +178,22 @@ class ResultStore:
     def append(self, record: dict[str, Any]) -> None:
         line = json.dumps(record) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._lacks_final_newline():  # e.g. edited by hand: never glue a record onto the last line
+            line = "\n" + line
         with open(self.path, "a", encoding="utf-8") as file:
             file.write(line)
             file.flush()
             os.fsync(file.fileno())
         self.records.append(record)
         self._keys.add(case_key(record))
+
+
+    def _lacks_final_newline(self) -> bool:
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return False
+        with open(self.path, "rb") as file:
+            file.seek(-1, os.SEEK_END)
+            return file.read(1) != b"\n"
 
 
 def read_results(output_dir: str | Path) -> list[dict[str, Any]]:
@@ -342,6 +359,58 @@ class EvalPlan:
 # ----------------------------------------------------------------------------------------------
 
 
+def document_hash(ids: torch.Tensor) -> str:
+    """SHA-256 of a document's token ids (so also of the tokenizer that made them), 16 hex digits."""
+    return hashlib.sha256(ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+# Config keys that do not change what the model computes.
+_CONFIG_KEYS_IGNORED = ("transformers_version", "dtype", "torch_dtype", "architectures")
+
+
+def model_fingerprint(model: nn.Module, samples_per_tensor: int = 1024) -> str:
+    """A short hash of the model's config and of its weights, 16 hex digits.
+
+    The weights enter through every parameter's name and shape and ``samples_per_tensor``
+    evenly spaced values (cheap even for large models; fine-tuned or other checkpoints differ
+    there). Parameters offloaded to the meta device enter by name and shape only. Keys starting
+    with ``_`` (name or path, attention implementation) are left out.
+    """
+    config = model.config.to_dict()
+    described = {key: value for key, value in config.items()
+                 if not key.startswith("_") and key not in _CONFIG_KEYS_IGNORED}  # fmt: skip
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            digest.update(f"{name}{tuple(parameter.shape)}".encode())
+            if parameter.device.type != "meta" and parameter.numel():
+                flat = parameter.detach().reshape(-1)
+                step = max(1, flat.numel() // samples_per_tensor)
+                digest.update(flat[::step][:samples_per_tensor].to("cpu", torch.float64).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _check_same_inputs(store: ResultStore, model_name: str, dtype: str, fingerprint: str,
+                       document_hashes: Mapping[str, str]) -> None:
+    """Refuse a results folder whose records use the same names for another model or text."""
+    for record in store.records:
+        if record.get("model") == model_name and record.get("dtype") == dtype:
+            if record.get("model_fingerprint") != fingerprint:
+                raise EvaluationError(
+                    f"{store.path} holds results of a model named {model_name!r} ({dtype}) whose config or weights "
+                    f"differ from the model loaded now (fingerprint {record.get('model_fingerprint')} against "
+                    f"{fingerprint}). Use another --output-dir for this model."
+                )
+        name = record.get("document")
+        if record.get("kind") == "perplexity" and name in document_hashes:
+            if record.get("document_sha256") != document_hashes[name]:
+                raise EvaluationError(
+                    f"{store.path} holds results for a document named {name!r} with other content (token hash "
+                    f"{record.get('document_sha256')} against {document_hashes[name]} now). Rename the file, or use "
+                    "another --output-dir."
+                )
+
+
 def rope_fingerprint(model: nn.Module, length: int) -> str:
     """A short hash of the rotary frequencies ``model`` uses for a ``length``-token input.
 
@@ -370,19 +439,21 @@ class _Case:
         return case_key(self.spec)
 
 
-def _cases(plan: EvalPlan, method: str, scale: float | None, model_name: str, dtype: str,
-           documents: Mapping[str, torch.Tensor], native_context: int) -> list[_Case]:
+def _cases(plan: EvalPlan, method: str, scale: float | None, model_name: str, model_print: str, dtype: str,
+           document_hashes: Mapping[str, str], native_context: int) -> list[_Case]:
     cases = []
     steps = recorded_steps(method, plan.steps_per_doubling)
-    common = {"method": method, "scale": scale, "steps_per_doubling": steps, "model": model_name, "dtype": dtype}
+    common = {"method": method, "scale": scale, "steps_per_doubling": steps, "model": model_name,
+              "model_fingerprint": model_print, "dtype": dtype}  # fmt: skip
     state = method if scale is None else f"{method} x{scale:g}"
     if steps is not None:
         state += f" [steps_per_doubling={steps}]" if steps != EXACT_STEPS else " [exact length]"
     bucket_size = plan.bucket_size or max(native_context // 4, 1)
     for mode in plan.ppl_modes if plan.ppl_lengths else []:
         for length in plan.ppl_lengths:
-            for name in documents:
-                spec = {"kind": "perplexity", "mode": mode, **common, "document": name, "context_length": length,
+            for name, content_hash in document_hashes.items():
+                spec = {"kind": "perplexity", "mode": mode, **common, "document": name,
+                        "document_sha256": content_hash, "context_length": length,
                         "stride": None, "eval_tokens": None, "bucket_size": None}  # fmt: skip
                 if mode == "buckets":
                     spec["bucket_size"] = bucket_size
@@ -432,8 +503,10 @@ def _run_case(model: nn.Module, tokenizer, plan: EvalPlan, spec: dict[str, Any],
             "outputs": result.outputs}  # fmt: skip
 
 
-def check_documents(plan: EvalPlan, documents: Mapping[str, torch.Tensor]) -> None:
-    """Every document must hold the tokens the plan needs."""
+def check_documents(plan: EvalPlan, documents: Mapping[str, torch.Tensor],
+                    length_flags: str = "--ppl-lengths / --sliding-tokens") -> None:
+    """Every document must hold the tokens the plan needs (``length_flags``: the options that set
+    those lengths, named in the error)."""
     needed = plan.required_document_tokens()
     if needed and not documents:
         raise EvaluationError("Perplexity needs at least one document: pass --text-file (or --dataset).")
@@ -442,7 +515,7 @@ def check_documents(plan: EvalPlan, documents: Mapping[str, torch.Tensor]) -> No
         listing = ", ".join(f"{name} ({count} tokens)" for name, count in short.items())
         raise EvaluationError(
             f"Document(s) shorter than the {needed} tokens requested: {listing}. Use longer documents, or shorter "
-            "--ppl-lengths / --sliding-tokens."
+            f"{length_flags}."
         )
 
 
@@ -476,8 +549,15 @@ def run_evaluation(
     check_documents(plan, documents)
 
     store = ResultStore(output_dir)
+    document_hashes = {name: document_hash(ids) for name, ids in documents.items()}
+    model_print = model_fingerprint(model)
+    _check_same_inputs(store, model_name, dtype, model_print, document_hashes)
+    logger.info("Cases are matched by content: documents by a hash of their tokens (%s), the model by its config and "
+                "weights (fingerprint %s).", ", ".join(f"{name} {value}" for name, value in document_hashes.items())
+                or "no documents", model_print)  # fmt: skip
     by_data_key = {_data_key(record): record for record in store.records if "rope_fingerprint" in record}
-    groups = [(method, scale, _cases(plan, method, scale, model_name, dtype, documents, native_context))
+    groups = [(method, scale, _cases(plan, method, scale, model_name, model_print, dtype, document_hashes,
+                                     native_context))
               for method, scale in plan.configurations()]  # fmt: skip
     planned = [case for _, _, cases in groups for case in cases]
     pending = sum(case.key not in store for case in planned)

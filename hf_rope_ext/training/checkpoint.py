@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..files import atomic_write_json
+from ..files import atomic_write_json, give_umask_permissions
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +197,7 @@ def save_checkpoint(
     barrier()
     if rank == 0:
         atomic_write_json(staging / STATE_FILE, {**trainer_state, "step": step, "world_size": world_size})
+        give_umask_permissions(staging)
         if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it whole
             shutil.rmtree(final)
         os.replace(staging, final)

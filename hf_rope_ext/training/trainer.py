@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,7 +40,9 @@ from typing import Any
 import torch
 
 from .. import get_method, get_patch_info, patch_model
+from ..patching import whole_token_scale
 from .. import config_io
+from ..files import give_umask_permissions, staging_dir
 from . import checkpoint as ckpt
 from .lora import LoraSettings, apply_lora
 from .windows import IGNORE_INDEX, PackedWindows
@@ -116,6 +117,9 @@ class FinetuneConfig:
             raise ValueError("No training text: give --text_files FILE [FILE ...] or --dataset NAME.")
         if self.text_files and self.dataset:
             raise ValueError("Give either --text_files or --dataset, not both.")
+        missing = [str(path) for path in self.text_files or [] if not Path(path).is_file()]
+        if missing:
+            raise FileNotFoundError(f"Text file not found: {', '.join(missing)} (given with --text_files).")
         if self.scale is None and self.target_length is None:
             raise ValueError("Give --scale (e.g. 4) or --target_length (tokens) for the context to reach.")
         for name in ("max_steps", "per_device_batch_size", "gradient_accumulation_steps", "save_total_limit", "lora_rank"):
@@ -203,15 +207,17 @@ def _resolve_lengths(config: FinetuneConfig, model_config: Any) -> _Lengths:
     if not original:
         raise ValueError("The model config has no max_position_embeddings; pass --original_context.")
     if config.scale is not None and config.target_length is not None:
-        if config.target_length != math.ceil(original * config.scale):
+        tokens = math.floor(original * config.scale + 0.5)  # patch_model's rule: the nearest whole token
+        if config.target_length != tokens:
             raise ValueError(
                 f"--scale {config.scale} and --target_length {config.target_length} disagree: with an original "
-                f"context of {original}, scale {config.scale} means {math.ceil(original * config.scale)} tokens. Give one."
+                f"context of {original}, scale {config.scale} means {tokens} tokens. Give one."
             )
     if config.target_length is not None:
         target, scale = int(config.target_length), config.target_length / original
-    else:
-        scale, target = float(config.scale), math.ceil(original * config.scale)
+    else:  # the rule of patch_model: a whole number of tokens
+        scale = whole_token_scale(float(config.scale), original) if config.scale > 1 else float(config.scale)
+        target = math.floor(original * scale + 0.5)
     if target <= original:
         raise ValueError(
             f"The target length ({target} tokens) must be beyond the original context of {original} tokens "
@@ -343,7 +349,7 @@ def _publish(staging: Path, final: Path) -> None:
 
 
 def _staging_dir(output_dir: Path, name: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=output_dir))
+    return staging_dir(output_dir, f".tmp-{name}-")
 
 
 def _check_output_dir(config: FinetuneConfig, output_dir: Path) -> Path | None:
@@ -657,6 +663,7 @@ def _save_outputs(config, output_dir: Path, peft_model, state_dict, tokenizer, r
         (staging / "README.md").unlink(missing_ok=True)  # peft's empty card template; the summary describes the run
         ckpt.atomic_write_json(staging / ROPE_PATCH_FILE, rope_record)
         tokenizer.save_pretrained(str(staging))
+        give_umask_permissions(staging)
         _publish(staging, adapter_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -674,6 +681,7 @@ def _save_outputs(config, output_dir: Path, peft_model, state_dict, tokenizer, r
         merged.config.use_cache = True
         merged.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))
+        give_umask_permissions(staging)
         _publish(staging, output_dir / "merged")
     finally:
         shutil.rmtree(staging, ignore_errors=True)

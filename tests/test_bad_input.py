@@ -1,0 +1,308 @@
+"""Bad input as a new user gives it: each case is refused with one clear message, or works.
+
+Tiny random Llama models (see conftest); every test here failed before the fix it covers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ORIGINAL_CONTEXT, make_model, random_ids
+
+import hf_rope_ext
+from hf_rope_ext import get_patch_info, patch_model
+from hf_rope_ext.methods import default_inv_freq
+
+L0 = ORIGINAL_CONTEXT
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- a user-registered method's output is checked at patch time ---------------------------------
+
+_HALF = 8  # frequencies of the tiny models (head_dim 16)
+
+
+def _nan_beyond_original(rotary_dim, base, params, seq_len=None):
+    inv_freq = default_inv_freq(rotary_dim, base)
+    return (inv_freq * math.nan if seq_len is not None else inv_freq), 1.0
+
+
+BAD_OUTPUTS = {
+    "nan frequency": (lambda d, b, p, n=None: (default_inv_freq(d, b) * torch.tensor([1.0] * 7 + [math.nan]), 1.0),
+                      False, r"inv_freq\[7\] = nan; every frequency must be finite and > 0"),
+    "zero frequency": (lambda d, b, p, n=None: (default_inv_freq(d, b) * 0, 1.0), False, r"inv_freq\[0\] = 0.0"),
+    "negative frequency": (lambda d, b, p, n=None: (-default_inv_freq(d, b), 1.0), False, r"inv_freq\[0\] = -1.0"),
+    "nan attention factor": (lambda d, b, p, n=None: (default_inv_freq(d, b) / 2, math.nan), False,
+                             "attention factor nan; it must be finite and > 0"),
+    "zero attention factor": (lambda d, b, p, n=None: (default_inv_freq(d, b) / 2, 0.0), False,
+                              "attention factor 0.0"),
+    "None": (lambda d, b, p, n=None: None, False, r"returned None; a method must return the pair"),
+    "a bare tensor": (lambda d, b, p, n=None: default_inv_freq(d, b), False, "must return the pair"),
+    "wrong shape": (lambda d, b, p, n=None: (default_inv_freq(2 * d, b), 1.0), False, r"shape \(16,\), expected \(8,\)"),
+    "integer frequencies": (lambda d, b, p, n=None: (torch.ones(d // 2, dtype=torch.int64), 1.0), False,
+                            "dtype torch.int64; it must be a floating-point tensor"),
+    "string attention factor": (lambda d, b, p, n=None: (default_inv_freq(d, b) / 2, "1"), False,
+                                "attention factor '1'; it must be a number"),
+    "nan beyond the original context": (_nan_beyond_original, True, r"at length 128\)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_OUTPUTS))
+def test_bad_method_output_is_refused_at_patch_time_naming_the_method(case):
+    compute, length_dependent, message = BAD_OUTPUTS[case]
+    hf_rope_ext.register_method("my-method", compute, length_dependent=length_dependent)
+    try:
+        model = make_model("llama")
+        config_before = model.config.to_dict()
+        with pytest.raises(ValueError, match=f"RoPE method 'my-method' .*{message}"):
+            patch_model(model, scale=4, method="my-method")
+        assert get_patch_info(model) is None and model.config.to_dict() == config_before
+        with torch.no_grad():
+            assert torch.isfinite(model(random_ids(L0)).logits).all()
+    finally:
+        hf_rope_ext.unregister_method("my-method")
+
+
+# -- the command line: bad values exit 2 with one line, never a traceback --------------------------
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": 3 + i for i in range(100)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A patched tiny Llama saved with a tokenizer, and an unpatched one."""
+    from hf_rope_ext.hub import save_patched
+
+    folder = tmp_path_factory.mktemp("bad-input")
+    model = make_model("llama")
+    model.save_pretrained(folder / "base")
+    _word_tokenizer().save_pretrained(folder / "base")
+    patch_model(model, scale=4, method="yarn")
+    save_patched(model, folder / "yarn", tokenizer=_word_tokenizer())
+    (folder / "not-a-checkpoint").mkdir()
+    (folder / "a-file").write_text("x")
+    (folder / "book.txt").write_text(" ".join(f"w{i % 100}" for i in range(400)))
+    return folder
+
+
+DESCRIBED = ["runtimes", "--method", "yarn", "--scale", "4", "--original-context", "32", "--rope-theta", "10000"]
+CLI_CASES = {
+    "odd rotary dim": (DESCRIBED + ["--rotary-dim", "15"], "rotary_dim must be even"),
+    "zero rotary dim": (DESCRIBED + ["--rotary-dim", "0"], "rotary_dim must be a positive number of dimensions"),
+    "negative rope theta": (["runtimes", "--method", "yarn", "--scale", "4", "--original-context", "32",
+                             "--rope-theta", "-1", "--rotary-dim", "16"], "rope_theta must be a number > 0"),
+    "infinite scale": (["runtimes", "--method", "yarn", "--scale", "inf", "--original-context", "32",
+                        "--rope-theta", "1e4", "--rotary-dim", "16"], "scale must be finite"),
+    "unparsable param": (DESCRIBED + ["--rotary-dim", "16", "--param", "beta_fast=abc"],
+                         "'beta_fast' of method 'yarn' must be a finite number, got 'abc'"),
+    "missing model dir": (["runtimes", "--model-dir", "{folder}/missing"], "Checkpoint folder not found"),
+    "not a checkpoint": (["runtimes", "--model-dir", "{folder}/not-a-checkpoint"], "has no config.json"),
+    "card without base model": (["card", "--model-dir", "{folder}/yarn"], "pass base_model="),
+    "card with missing eval dir": (["card", "--model-dir", "{folder}/yarn", "--base-model", "org/base",
+                                    "--eval-dir", "{folder}/missing"], "No results.jsonl in"),
+    "card to an unwritable output": (["card", "--model-dir", "{folder}/yarn", "--base-model", "org/base",
+                                      "--output", "{folder}/a-file/README.md"], "Cannot write the model card to"),
+    "eval of a missing local folder": (["eval", "--model", "{folder}/missing", "--text-file", "{folder}/book.txt",
+                                        "--methods", "none", "--ppl-lengths", "16", "--output-dir", "{folder}/out"],
+                                       "Model folder not found"),
+    "eval of a dataset it cannot reach": (["eval", "--model", "{folder}/base", "--dataset",
+                                           "hf-rope-ext-tests/no-such-dataset", "--methods", "none",
+                                           "--ppl-lengths", "16", "--output-dir", "{folder}/out"],
+                                          "Dataset 'hf-rope-ext-tests/no-such-dataset' .* could not be read"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_bad_values_exit_2_with_one_line(case, checkpoint, capsys, monkeypatch):
+    from hf_rope_ext.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    argv, message = CLI_CASES[case]
+    code = main([part.format(folder=checkpoint) for part in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(message, lines[0]), lines[0]
+
+
+# -- messages that name the right thing --------------------------------------------------------------
+
+
+def test_model_folder_without_tokenizer_files_says_so(checkpoint, tmp_path):
+    from hf_rope_ext.loading import load_model
+
+    make_model("llama").save_pretrained(tmp_path / "no-tokenizer")
+    with pytest.raises(FileNotFoundError, match="has no tokenizer files"):
+        load_model(str(tmp_path / "no-tokenizer"), device="cpu")
+    model, tokenizer = load_model(str(checkpoint / "base"), device="cpu")  # with them it loads
+    assert tokenizer("w1 w2")["input_ids"] == [4, 5]
+
+
+def test_loading_a_checkpoint_of_our_own_type_after_import_does_not_ask_to_install(tmp_path, caplog):
+    from transformers import AutoModelForCausalLM
+
+    from hf_rope_ext.hub import save_patched
+
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    with caplog.at_level(logging.WARNING):
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert "pip install hf-rope-ext" not in caplog.text
+
+
+@pytest.mark.parametrize("steps", [0, -1])
+def test_steps_per_doubling_error_does_not_speak_of_tokens(steps):
+    with pytest.raises(ValueError, match="steps_per_doubling must be a positive number of frequency steps") as error:
+        patch_model(make_model("llama"), scale=4, method="dynamic", steps_per_doubling=steps)
+    assert "tokens" not in str(error.value)
+
+
+def _finetune_script():
+    spec = importlib.util.spec_from_file_location("finetune_lora", REPO / "examples" / "finetune_lora.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_finetune_names_its_own_flags(tmp_path):
+    from hf_rope_ext.training import FinetuneConfig
+
+    config = FinetuneConfig(model="x", output_dir=str(tmp_path), text_files=[str(tmp_path / "missing.txt")], scale=4)
+    with pytest.raises(FileNotFoundError, match=r"Text file not found: .*missing.txt \(given with --text_files\)") as error:
+        config.validate()
+    assert "--text-file" not in str(error.value)
+    helps = {}
+    for action in _finetune_script().build_parser()._actions:
+        for option in action.option_strings:
+            helps[option] = action.help
+    assert helps["--no_shuffle"] != helps["--shuffle"] and "--shuffle" in helps["--no_shuffle"]
+    assert helps["--no_save_merged"] != helps["--save_merged"]
+
+
+def test_demo_names_its_own_flags(checkpoint, tmp_path, capsys):
+    from hf_rope_ext.cli import main
+
+    short = tmp_path / "short.txt"
+    short.write_text("w1 w2 w3 " * 5)
+    code = main(["demo", "--model", str(checkpoint / "base"), "--device", "cpu", "--text-file", str(short),
+                 "--passkey-length", "200",
+                 "--output-dir", str(tmp_path / "out"), "--no-progress"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "shorter --ppl-length." in err and "--ppl-lengths" not in err and "--sliding" not in err
+
+
+# -- text files that are not UTF-8 text ----------------------------------------------------------------
+
+
+def test_binary_and_non_utf8_files_are_refused(tmp_path):
+    from hf_rope_ext.data import read_text
+
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(ValueError, match="binary file"):
+        read_text(binary)
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(bytes(range(128, 256)) * 40)  # no NUL byte, none of it UTF-8
+    with pytest.raises(ValueError, match="5120 of its 5120 bytes are not valid UTF-8"):
+        read_text(noise)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(("Ça été très élégant. " * 200).encode("latin-1"))
+    with pytest.raises(ValueError, match="1200 of its 4200 bytes are not valid UTF-8.* iconv -f latin1"):
+        read_text(latin1)
+
+
+def test_a_few_undecodable_bytes_are_counted_in_a_warning(tmp_path, caplog):
+    from hf_rope_ext.data import read_text
+
+    path = tmp_path / "book.txt"
+    path.write_bytes(b"An ordinary line of text. " * 200 + b"caf\xe9 " + b"more text. " * 10)
+    with caplog.at_level(logging.WARNING, logger="hf_rope_ext.data"):
+        text = read_text(path)
+    assert "1 byte(s) are not valid UTF-8" in caplog.text
+    assert text.count("\ufffd") == 1 and "caf\ufffd" in text
+
+
+def test_eval_refuses_a_binary_text_file(checkpoint, tmp_path, capsys):
+    from hf_rope_ext.cli import main
+
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(bytes(range(256)) * 100)
+    code = main(["eval", "--model", str(checkpoint / "base"), "--device", "cpu", "--text-file", str(binary),
+                 "--methods", "none", "--ppl-lengths", "16", "--output-dir", str(tmp_path / "out"), "--no-progress"])
+    assert code == 2 and "binary file" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+
+
+# -- demo lengths ----------------------------------------------------------------------------------
+
+
+def test_demo_refuses_a_perplexity_length_inside_the_native_context(checkpoint, tmp_path, capsys):
+    from hf_rope_ext.cli import main
+    from hf_rope_ext.evaluation import EvaluationError
+    from hf_rope_ext.evaluation.demo import demo_settings
+
+    with pytest.raises(EvaluationError, match="--ppl-length 32 is within the model's native context of 32 tokens"):
+        demo_settings(32, False, ppl_length=32)
+    assert demo_settings(32, False, ppl_length=33).ppl_length == 33
+    code = main(["demo", "--model", str(checkpoint / "base"), "--device", "cpu", "--text-file",
+                 str(checkpoint / "book.txt"), "--ppl-length", "16", "--output-dir", str(tmp_path / "out")])
+    assert code == 2 and "within the model's native context" in capsys.readouterr().err
+
+
+# -- scales whose extended context is not a whole number of tokens ------------------------------------
+
+
+def test_scale_that_does_not_change_the_context_by_a_token_is_refused():
+    model = make_model("llama")
+    before = model.config.to_dict()
+    for scale in (1.0000001, 1 + 0.4 / L0):
+        with pytest.raises(ValueError, match=r"less than half a token; the smallest extension is scale=1.03125 \(max_length=33\)"):
+            patch_model(model, scale=scale, method="yarn")
+    assert get_patch_info(model) is None and model.config.to_dict() == before
+
+
+@pytest.mark.parametrize("scale, tokens", [(3.3, 106), (2.0000001, 64), (1 + 0.6 / L0, 33)])
+def test_fractional_scale_is_rounded_to_a_whole_number_of_tokens(scale, tokens, caplog):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from conftest import native_twin
+
+    model = make_model("llama")
+    with caplog.at_level(logging.WARNING):
+        patch_model(model, scale=scale, method="yarn")
+    info = get_patch_info(model)
+    assert info.scale == tokens / L0 and info.max_position_embeddings == model.config.max_position_embeddings == tokens
+    assert f"using scale {tokens / L0!r} ({tokens} tokens)" in caplog.text
+    assert "does not match the ratio implicitly set" not in caplog.text  # transformers' consistency check
+    rope = {"rope_type": "yarn", "factor": tokens / L0, "original_max_position_embeddings": L0}
+    expected, attention = ROPE_INIT_FUNCTIONS["yarn"](native_twin(make_model("llama"), rope, tokens).config)
+    got, got_attention = model.model.rotary_emb.frequencies(tokens)
+    torch.testing.assert_close(got.float(), expected, rtol=1e-6, atol=0)
+    assert got_attention == pytest.approx(attention)
+
+
+def test_a_whole_token_scale_is_kept_exactly(caplog):
+    model = make_model("llama")
+    with caplog.at_level(logging.WARNING, logger="hf_rope_ext.patching"):
+        patch_model(model, scale=1.5, method="yarn")
+        patch_model(model, max_length=3 * L0 + 1, method="yarn")
+    assert get_patch_info(model).scale == (3 * L0 + 1) / L0 and caplog.text == ""
