@@ -148,8 +148,9 @@ class ExtendedRotaryEmbedding(nn.Module):
 
         initial = self._frequencies_for_length(None)
         # Inside the original context a length-dependent method may still differ from plain RoPE
-        # (longrope: short_factor and its attention factor); only where it does not is the original
-        # module's own output used there.
+        # (longrope: short_factor and its attention factor), and an attention-level method combined
+        # with a frequency method does; only where it does not is the original module's own
+        # output used there.
         self.original_inside_context = (
             torch.equal(initial.inv_freq_f64, default_inv_freq(rotary_dim, base)) and initial.attention_factor == 1.0
         )
@@ -159,14 +160,6 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq_exact", exact.clone(), persistent=False)
         self.attention_scaling = initial.attention_factor
         self._current = initial
-
-    @property
-    def original_inside_context(self) -> bool:
-        """True when inputs inside the original context get the unpatched model's RoPE: length-dependent
-        methods, and attention-level methods that keep the trained frequencies."""
-        return self.method.length_dependent or (
-            self.method.attention is not None and self.params.get("frequencies") is None
-        )
 
     # -- frequencies -------------------------------------------------------------------------
 
@@ -234,9 +227,13 @@ class ExtendedRotaryEmbedding(nn.Module):
             attention_factor = freqs.attention_factor
             self._current, self.attention_scaling = freqs, attention_factor
         else:
-            if self.original_inside_context and int(position_ids.max()) < self.original_max_seq_len:
-                # Attention-level methods keep the trained frequencies: inside the original context
-                # the original module gives the unpatched model's outputs bitwise.
+            if (
+                self.method.attention is not None
+                and self._use_original_module()
+                and int(position_ids.max()) < self.original_max_seq_len
+            ):
+                # Attention-level methods that keep the trained frequencies: inside the original
+                # context the original module gives the unpatched model's outputs bitwise.
                 return self.original_rotary(x, position_ids)
             inv_freq, exact = self.inv_freq.to(x.device), self.inv_freq_exact.to(x.device)
             attention_factor = self.attention_scaling
