@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DualChunkRemap", "PositionRemap", "Regime", "SelfExtendRemap", "remapped_attention"]
 
-# Elements of one (batch x heads x query chunk x key block) score tile; bounds working memory.
-TILE_ELEMENTS = 1 << 26
+# Queries are processed QUERY_CHUNK at a time against keys in blocks of KEY_BLOCK: masks exist
+# only for blocks a regime selects in part, so working memory stays O(QUERY_CHUNK x KEY_BLOCK)
+# per such block whatever the length.
 KEY_BLOCK = 512
 QUERY_CHUNK = 512
 
@@ -439,7 +440,7 @@ def remapped_attention(
         scaling: the softmax scale (1 / sqrt(head_dim)).
         logn_length: if set, ``L0`` of the log-n attention temperature.
     """
-    batch, heads, query_len, head_dim = query.shape
+    batch, heads, query_len, _ = query.shape
     kv_heads, key_len = key.shape[1], key.shape[2]
     query_positions = query_positions.expand(batch, -1)
     key_positions = key_positions.expand(batch, -1)
