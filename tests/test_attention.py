@@ -369,8 +369,10 @@ def test_position_ids_with_a_gap_are_honoured():
 
 
 @pytest.mark.slow
-def test_real_model_at_12k_self_extend_keeps_the_loss_beyond_8k_near_its_in_context_level():
-    """SmolLM2-135M (native 8192): one 12,288-token forward of a novel, unpatched and with self-extend x2."""
+def test_real_model_at_12k_self_extend_beats_yarn_beyond_8k():
+    """SmolLM2-135M (native 8192): one 12,288-token forward of a novel, unpatched, with yarn x2 and with
+    self-extend x2 (neighbour window 2048). Measured here: beyond 8k 46.69 unpatched, 33.84 yarn, 32.86
+    self-extend; inside 8k self-extend is the unpatched model."""
     from pathlib import Path
 
     from hf_rope_ext.data import read_text, tokenize
@@ -387,21 +389,22 @@ def test_real_model_at_12k_self_extend_keeps_the_loss_beyond_8k_near_its_in_cont
     ids = tokenize(tokenizer, read_text(book))
     edges = [0, 4096, 8192, 12288]
 
-    def ppl_by_range():
-        with torch.no_grad():
-            result = bucket_perplexity(model, [ids], 12288, boundaries=edges)
+    def ppl_by_range(method=None, **params):
+        if method is not None:
+            patch_model(model, 2, method, **params)
+        try:
+            with torch.no_grad():
+                result = bucket_perplexity(model, [ids], 12288, boundaries=edges)
+        finally:
+            if method is not None:
+                unpatch_model(model)
         return [math.exp(total / count) for total, count in zip(result.nll_sums, result.token_counts)]
 
-    unpatched = ppl_by_range()
-    patch_model(model, 2, "self-extend")
-    try:
-        extended = ppl_by_range()
-    finally:
-        unpatch_model(model)
-    print(f"\nppl 0-4k / 4k-8k / 8k-12k: unpatched {unpatched}, self-extend x2 {extended}")
-    assert extended[:2] == pytest.approx(unpatched[:2], rel=1e-3)  # inside the native context: the same model
+    unpatched, yarn, extended = ppl_by_range(), ppl_by_range("yarn"), ppl_by_range("self-extend", neighbor_window=2048)
+    print(f"\nppl 0-4k / 4k-8k / 8k-12k: unpatched {unpatched}, yarn x2 {yarn}, self-extend x2 {extended}")
+    assert extended[:2] == pytest.approx(unpatched[:2], rel=1e-4)  # inside the native context: the same model
     assert unpatched[2] > 1.25 * extended[2]  # the unpatched model degrades beyond 8192 ...
-    assert extended[2] < 1.15 * extended[1]  # ... self-extend stays near its own 4k-8k level
+    assert extended[2] < yarn[2]  # ... and self-extend reads beyond it better than yarn
 
 
 def test_gradients_match_the_reference():
