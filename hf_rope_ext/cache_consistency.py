@@ -128,9 +128,10 @@ class CacheGuard:
 
     @contextlib.contextmanager
     def planning(self, length: int | None) -> Iterator[None]:
-        """Forwards inside use the frequencies of at least ``length`` tokens (None: no plan)."""
+        """Forwards inside use the frequencies of at least ``length`` tokens (None: no plan of
+        its own; an enclosing plan still holds)."""
         previous = self.planned_length
-        self.planned_length = None if length is None else max(int(length), previous or 0)
+        self.planned_length = previous if length is None else max(int(length), previous or 0)
         try:
             yield
         finally:

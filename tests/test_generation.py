@@ -393,3 +393,20 @@ def test_frequency_grid_takes_the_smallest_step_and_maps_steps_to_themselves(ste
         assert rounded == expected, (length, rounded, expected)
         assert effective_length(rounded, L0, steps_per_doubling) == rounded
     assert effective_length(L0, L0, steps_per_doubling) is None
+
+
+def test_generate_without_a_length_keeps_an_enclosing_plan():
+    # No max_new_tokens nor max_length: transformers' default (up to the config's 32 tokens) is
+    # not planned by the wrapper, so the enclosing plan of 4 L0 must hold.
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic")
+    prompt = random_ids(L0 - 12)
+    with planned_length(model, 4 * L0):
+        out = model.generate(prompt, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            full = model(out.sequences[:, :-1]).logits[:, L0 - 13 :]
+    assert out.sequences.shape[1] == L0
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
+    with torch.no_grad():  # and the plan matters here: inside L0 on their own, these are the original frequencies
+        assert not torch.allclose(model(out.sequences[:, :-1]).logits[:, L0 - 13 :], full, atol=1e-3)
