@@ -123,7 +123,7 @@ def forward_benchmark(model, ids, repeats: int) -> dict:
 DECODE_SHAPES = ((1.1, "N"), (1.5, "N"), (1.9, "N"), (1.0, "L0"))
 
 
-def decode_benchmark(args, model, tokenizer_vocab: int, device) -> dict:
+def decode_benchmark(args, model, tokenizer_vocab: int, device, progress_file: Path | None = None) -> dict:
     original = args.original_context or model.config.max_position_embeddings
     generator = torch.Generator().manual_seed(args.seed)
     shapes = []
@@ -171,6 +171,12 @@ def decode_benchmark(args, model, tokenizer_vocab: int, device) -> dict:
                 row["transformers_s"].append(their_seconds)
                 row["hf_rope_ext_s"].append(our_seconds)
                 row["recomputations"] = sum(n > 1 for n in calls[1:])
+                # Each finished pair at once, so that an interrupted run still reports what it measured.
+                tqdm.write(f"  round {len(row['transformers_s'])}, {name}: transformers {their_seconds:.2f} s, "
+                           f"hf_rope_ext {our_seconds:.2f} s, ratio {our_seconds / their_seconds:.3f}, "
+                           f"prefix recomputations {row['recomputations']}")
+                if progress_file is not None:
+                    progress_file.write_text(json.dumps(results, indent=2))
     finally:
         unpatch_model(model)
         del theirs
@@ -199,7 +205,8 @@ def main() -> None:
                 print(f"  {name:<8} {row['min_s']:8.3f} s ({row['median_s']:.3f})   patched/unpatched {row['ratio']:.3f}"
                       f"   rotary module {row['rotary_ms']:.2f} ms ({row['rotary_extra_share']:+.3%} of the forward)")
     if not args.skip_decode:
-        report["decode"] = decode_benchmark(args, model, len(tokenizer), device)
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        report["decode"] = decode_benchmark(args, model, len(tokenizer), device, args.output_dir / "decode_rounds.json")
         d = report["decode"]
         print(f"Total generate time, original context {d['original_context']}, hf_rope_ext dynamic "
               f"(steps_per_doubling={d['steps_per_doubling']}) / transformers dynamic, best of {args.decode_repeats} rounds:")
