@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import pytest
 import torch
 from conftest import ORIGINAL_CONTEXT, make_model, native_twin, random_ids
 from transformers import DynamicCache
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hf_rope_ext import patch_model, planned_length, unpatch_model
+from hf_rope_ext.rotary import effective_length
 
 L0 = ORIGINAL_CONTEXT
 LONG_FACTOR = [1.0 + 0.5 * i for i in range(8)]
@@ -337,8 +340,6 @@ def test_single_forward_uses_the_exact_length_like_transformers_dynamic(length):
 def test_steps_per_doubling_still_rounds_a_single_forward():
     """With an explicit grid, L0 + 1 tokens get the frequencies of 2 L0 (transformers' `dynamic`
     function at seq_len 2 L0), not those of L0 + 1."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     model = make_model("llama")
     theirs = native_twin(model, {"rope_type": "dynamic", "factor": 4.0}, L0)
     patch_model(model, scale=4, method="dynamic", steps_per_doubling=1)
@@ -382,10 +383,6 @@ def test_frequency_grid_takes_the_smallest_step_and_maps_steps_to_themselves(ste
     """The length a sequence's frequencies come from is the smallest ceil(L0 * 2 ** (k / n)) >= L
     (a brute-force search here), and a grid length maps to itself: the cache guard hands the
     rotary module lengths it already rounded."""
-    from hf_rope_ext.rotary import effective_length
-
-    import math
-
     grid = sorted({math.ceil(L0 * 2 ** (k / steps_per_doubling)) for k in range(1, 8 * steps_per_doubling)})
     for length in range(L0 + 1, 8 * L0):
         expected = min(step for step in grid if step >= length)
