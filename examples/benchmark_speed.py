@@ -3,12 +3,14 @@
 1. Forward time of the patched model over the unpatched one, for each static method (or the
    ``--forward-methods`` given), at ``--forward-tokens`` tokens (target: ratio <= 1.02 for
    frequency methods; attention-level methods, measured beyond the native context, <= 1.5).
-2. Decode-step time of hf_rope_ext's cache-exact ``dynamic`` against transformers' own
-   ``dynamic`` type (frequencies of every length, stale cache; ours: the patch's frequency
-   steps, ``--steps-per-doubling``, with an exact cache), over a generation from the original
-   context to twice the original context (target: within 10%). ``--original-context`` lets a
-   CPU run use a shorter original context than the model's own (8192 for SmolLM2), so that
-   the generation stays short; on a GPU use the model's own.
+2. Total ``generate`` time of hf_rope_ext's cache-exact ``dynamic`` against transformers' own
+   ``dynamic`` type (frequencies of every length, stale cache) for four shapes: prompts of 1.1,
+   1.5 and 1.9 x the original context with 256 new tokens, and a prompt of the original context
+   with as many new tokens (target: within 5% for each). ``--original-context`` lets a CPU run
+   use a shorter original context than the model's own (8192 for SmolLM2), so that the
+   generations stay short; on a GPU use the model's own. For each shape it also counts how many
+   times hf_rope_ext recomputed the cached prefix (calls of the first decoder layer with more
+   than one token after the prefill).
 
 Both are timed in alternating rounds (``--forward-repeats``, ``--decode-repeats``) and the best
 round of each side is compared, so that drifts in machine load hit both alike.
@@ -52,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--forward-scale", type=float, default=4.0, help="scale of the forward benchmark's patches")
     parser.add_argument("--original-context", type=int, default=None,
                         help="original context for the decode benchmark (default: the model's own)")
-    parser.add_argument("--scale", type=float, default=2.0)
+    parser.add_argument("--scale", type=float, default=4.0)
     parser.add_argument("--steps-per-doubling", type=int, default=None,
                         help="for hf_rope_ext's dynamic (default: the package default)")
     parser.add_argument("--device", default=None)
@@ -60,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--attn-implementation", default="sdpa")
     parser.add_argument("--decode-repeats", type=int, default=3,
                         help="rounds of the decode benchmark, each timing both models (default 3)")
+    parser.add_argument("--decode-new-tokens", type=int, default=256,
+                        help="new tokens after the prompts of 1.1, 1.5 and 1.9 x the original context")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-forward", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
@@ -119,17 +123,20 @@ def forward_benchmark(model, ids, repeats: int, methods=STATIC_METHODS, scale: f
     return results
 
 
-def decode_benchmark(args, model, tokenizer_vocab: int, device) -> dict:
-    original = args.original_context or model.config.max_position_embeddings
-    new_tokens = int(original * (args.scale - 1))
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(100, tokenizer_vocab - 1, (1, original), generator=generator).to(device)
-    kwargs = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=0)
+# Prompt length as a multiple of the original context L0, and new tokens: --decode-new-tokens
+# (256) after the three longer prompts, L0 after a prompt of L0 (the long shape).
+DECODE_SHAPES = ((1.1, "N"), (1.5, "N"), (1.9, "N"), (1.0, "L0"))
 
-    def per_step(m) -> tuple[float, float]:
-        prefill = timed(lambda: m.generate(prompt, **{**kwargs, "min_new_tokens": 1, "max_new_tokens": 1}), device)
-        total = timed(lambda: m.generate(prompt, **kwargs), device)
-        return (total - prefill) / (new_tokens - 1), total
+
+def decode_benchmark(args, model, tokenizer_vocab: int, device, progress_file: Path | None = None) -> dict:
+    original = args.original_context or model.config.max_position_embeddings
+    generator = torch.Generator().manual_seed(args.seed)
+    shapes = []
+    for prompt_factor, new in DECODE_SHAPES:
+        prompt_length = int(round(prompt_factor * original))
+        new_tokens = original if new == "L0" else args.decode_new_tokens
+        prompt = torch.randint(100, tokenizer_vocab - 1, (1, prompt_length), generator=generator).to(device)
+        shapes.append((f"{prompt_factor:g} x L0 + {new_tokens}", prompt, new_tokens))
 
     # transformers' own dynamic NTK with the same original context and factor.
     config = copy.deepcopy(model.config)
@@ -142,30 +149,47 @@ def decode_benchmark(args, model, tokenizer_vocab: int, device) -> dict:
     extra = {} if args.steps_per_doubling is None else {"steps_per_doubling": args.steps_per_doubling}
     patch_model(model, scale=args.scale, method="dynamic", original_max_length=original, **extra)
     steps_per_doubling = get_patch_info(model).steps_per_doubling
-    # Alternate the two in every round so drifts in machine load hit both alike; the minimum over
-    # rounds is the least disturbed measurement.
-    rounds = []
+
+    def run(m, prompt, new_tokens) -> tuple[float, list[int]]:
+        calls = []  # tokens per call of the first decoder layer: the prefill, then 1 per step
+        hook = m.model.layers[0].register_forward_pre_hook(lambda module, a: calls.append(a[0].shape[1]))
+        try:
+            seconds = timed(lambda: m.generate(prompt, do_sample=False, min_new_tokens=new_tokens,
+                                               max_new_tokens=new_tokens, pad_token_id=0), device)
+        finally:
+            hook.remove()
+        return seconds, calls
+
+    warm_up = shapes[0][1][:, :64]
+    for m in (theirs, model):
+        m.generate(warm_up, do_sample=False, max_new_tokens=4, pad_token_id=0)
+    results = {}
     try:
         for _ in tqdm(range(args.decode_repeats), desc="decode rounds", unit="round"):
-            their_step, their_total = per_step(theirs)
-            our_step, our_total = per_step(model)
-            rounds.append({"transformers_dynamic_step_s": their_step, "hf_rope_ext_dynamic_step_s": our_step,
-                           "ratio": our_step / their_step, "transformers_total_s": their_total,
-                           "hf_rope_ext_total_s": our_total})
+            # Alternate the two on every shape in every round, so drifts in machine load hit
+            # both alike; the minimum over rounds is the least disturbed measurement.
+            for name, prompt, new_tokens in shapes:
+                row = results.setdefault(name, {"prompt_tokens": prompt.shape[1], "new_tokens": new_tokens,
+                                                "transformers_s": [], "hf_rope_ext_s": []})
+                their_seconds, _ = run(theirs, prompt, new_tokens)
+                our_seconds, calls = run(model, prompt, new_tokens)
+                row["transformers_s"].append(their_seconds)
+                row["hf_rope_ext_s"].append(our_seconds)
+                row["recomputations"] = sum(n > 1 for n in calls[1:])
+                # Each finished pair at once, so that an interrupted run still reports what it measured.
+                tqdm.write(f"  round {len(row['transformers_s'])}, {name}: transformers {their_seconds:.2f} s, "
+                           f"hf_rope_ext {our_seconds:.2f} s, ratio {our_seconds / their_seconds:.3f}, "
+                           f"prefix recomputations {row['recomputations']}")
+                if progress_file is not None:
+                    progress_file.write_text(json.dumps(results, indent=2))
     finally:
         unpatch_model(model)
         del theirs
-    their_best = min(r["transformers_dynamic_step_s"] for r in rounds)
-    our_best = min(r["hf_rope_ext_dynamic_step_s"] for r in rounds)
-    return {
-        "original_context": original,
-        "generated_tokens": new_tokens,
-        "steps_per_doubling": steps_per_doubling,
-        "transformers_dynamic_step_s": their_best,
-        "hf_rope_ext_dynamic_step_s": our_best,
-        "ratio": our_best / their_best,
-        "rounds": rounds,
-    }
+    for row in results.values():
+        row["ratio"] = min(row["hf_rope_ext_s"]) / min(row["transformers_s"])
+        row["ratio_per_round"] = [ours / theirs for ours, theirs in zip(row["hf_rope_ext_s"], row["transformers_s"])]
+    return {"original_context": original, "scale": args.scale, "steps_per_doubling": steps_per_doubling,
+            "shapes": results}
 
 
 def main() -> None:
@@ -187,14 +211,16 @@ def main() -> None:
                 print(f"  {name:<8} {row['min_s']:8.3f} s ({row['median_s']:.3f})   patched/unpatched {row['ratio']:.3f}"
                       f"   rotary module {row['rotary_ms']:.2f} ms ({row['rotary_extra_share']:+.3%} of the forward)")
     if not args.skip_decode:
-        report["decode"] = decode_benchmark(args, model, len(tokenizer), device)
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        report["decode"] = decode_benchmark(args, model, len(tokenizer), device, args.output_dir / "decode_rounds.json")
         d = report["decode"]
-        print(f"Decode from {d['original_context']} to {d['original_context'] + d['generated_tokens']} tokens, "
-              f"steps_per_doubling={d['steps_per_doubling']}, best of {len(d['rounds'])} rounds:")
-        print(f"  transformers dynamic   {d['transformers_dynamic_step_s'] * 1000:8.2f} ms/step")
-        print(f"  hf_rope_ext dynamic    {d['hf_rope_ext_dynamic_step_s'] * 1000:8.2f} ms/step"
-              f"   ratio {d['ratio']:.3f}")
-        print("  per round: " + ", ".join(f"{r['ratio']:.3f}" for r in d["rounds"]))
+        print(f"Total generate time, original context {d['original_context']}, hf_rope_ext dynamic "
+              f"(steps_per_doubling={d['steps_per_doubling']}) / transformers dynamic, best of {args.decode_repeats} rounds:")
+        for name, row in d["shapes"].items():
+            print(f"  {name:<20} transformers {min(row['transformers_s']):8.2f} s   hf_rope_ext "
+                  f"{min(row['hf_rope_ext_s']):8.2f} s   ratio {row['ratio']:.3f}   per round "
+                  + ", ".join(f"{r:.3f}" for r in row["ratio_per_round"])
+                  + f"   prefix recomputations {row['recomputations']}")
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "speed.json").write_text(json.dumps(report, indent=2))
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from . import config_io as _config_io
 from . import methods as _methods
+from .cache_consistency import planned_length
 from .methods import RopeMethod, get_method, list_methods
 from .patching import DEFAULT_METHOD, PatchInfo, get_patch_info, patch_model, patched, unpatch_model
 
@@ -26,6 +27,7 @@ __all__ = [
     "list_methods",
     "patch_model",
     "patched",
+    "planned_length",
     "register_method",
     "unpatch_model",
     "unregister_method",

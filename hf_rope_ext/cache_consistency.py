@@ -1,33 +1,50 @@
 """Keep the KV cache exact for length-dependent RoPE methods.
 
 A full forward pass over ``N`` tokens computes every token's keys and values with the
-frequencies of length ``N``. During generation the cache holds states computed when the
-sequence was shorter, under other frequencies. transformers' ``dynamic`` type ignores this
-(transformers issue 25104): cached keys keep stale rotations, so generation differs from a full
-forward. Re-rotating the cached keys is not enough either: from the second layer on, the cached
-keys and values are outputs of attention that ran with the old frequencies.
+frequencies of one length. During generation the cache holds states computed when the
+sequence was shorter. transformers' ``dynamic`` type changes the frequencies at every step and
+keeps the stale states (transformers issue 25104), so generation differs from a full forward.
+Re-rotating the cached keys is not enough either: from the second layer on, the cached keys and
+values are outputs of attention that ran with the old frequencies.
 
-The exact fix: when the frequencies change, recompute the cached states over the whole sequence
-with the new frequencies (a prefill of the tokens seen so far). Frequencies change only when the
-rounded length (``steps_per_doubling`` steps per doubling, one by default) does, so by default
-this happens once per doubling of the length; between those points the cache is reused as usual
-and every step's logits equal those of a full forward over the same tokens.
+What this module does instead: choose the frequencies once for the length a sequence is
+planned to reach, and recompute the cached states (a prefill of the tokens seen so far) only
+when the sequence goes past it.
+
+- The planned length: inside ``generate``, the prompt plus ``max_new_tokens`` (a per-instance
+  wrapper of ``generate`` reads it before the prefill; see :func:`planned_length` for other
+  loops); otherwise the length of the sequence itself, so a single forward over ``L`` tokens
+  uses the frequencies of ``L``.
+- The frequencies of a cache are those of the planned length when it was filled. A later call
+  that continues the cache keeps them while the sequence fits, and past it recomputes the
+  cache once with the frequencies of the new planned length (without a plan, of the length
+  rounded up to ``steps_per_doubling`` steps per doubling, so a hand-written decode loop
+  recomputes at most that many times per doubling; with ``None``, at every token).
+
+Every logit is therefore that of one full forward over the same tokens with the frequencies in
+use, i.e. of ``max(planned length, tokens so far)``: ``with planned_length(model, P): model(ids)``
+reproduces them.
 
 Mechanism: two forward hooks on the module that calls the rotary embedding (the base model).
 The pre-hook keeps a log of the inputs and position ids written to each cache (on the cache
-object) and, when the frequencies change, empties the cache and hands the whole logged sequence
-to the forward; the post-hook cuts the outputs back to the tokens of the call.
+object), tells the rotary module which length's frequencies to use, and, when the frequencies
+must change, empties the cache and hands the whole logged sequence to the forward; the
+post-hook cuts the outputs back to the tokens of the call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import GenerationMixin
 
 from . import compat
 from .rotary import ExtendedRotaryEmbedding
@@ -45,7 +62,7 @@ class InputLog:
     inputs: torch.Tensor  # (batch, n) token ids or (batch, n, hidden) input embeddings
     positions: torch.Tensor  # (batch or 1, n) position ids
     mask: torch.Tensor  # (batch or 1, n) 1 for real tokens, 0 for padding
-    effective_length: int | None  # rounded length whose frequencies the cached states carry
+    effective_length: int | None  # length whose frequencies the cached states carry (None: the original)
 
     @property
     def length(self) -> int:
@@ -60,6 +77,7 @@ class _Call:
     mask: torch.Tensor
     new_tokens: int
     recomputed: bool
+    frequency_length: int | None  # length whose frequencies this forward uses (None: the original)
 
 
 def _broadcast_cat(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -72,9 +90,13 @@ def _broadcast_cat(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 
 
 class CacheGuard:
-    """The pair of hooks that keeps caches exact for one patched rotary module."""
+    """The pair of hooks that keeps caches exact for one patched rotary module.
 
-    def __init__(self, caller: nn.Module, rotary: ExtendedRotaryEmbedding):
+    ``model`` is what was patched: ``generate`` of each transformers generation model in it
+    (normally one) gets a per-instance wrapper that announces the planned length.
+    """
+
+    def __init__(self, caller: nn.Module, rotary: ExtendedRotaryEmbedding, model: nn.Module | None = None):
         self.caller = caller
         self.rotary = rotary
         self.signature = inspect.signature(caller.forward)
@@ -86,15 +108,42 @@ class CacheGuard:
                 "the KV cache exact. Use a static method (linear, ntk, yarn, llama3)."
             )
         self._call: _Call | None = None
+        self.planned_length: int | None = None
+        self.recomputations = 0  # prefix recomputations since patching (for benchmarks and tests)
+        self._warned_unplanned = False
         self.handles = [
             caller.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             caller.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
         ]
+        self._generate_wrapped = _wrap_generate(model if model is not None else caller)
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        for module in self._generate_wrapped:
+            _unwrap_generate(module)
+        self._generate_wrapped = []
+        self.rotary.frequency_length = None
+
+    @contextlib.contextmanager
+    def planning(self, length: int | None) -> Iterator[None]:
+        """Forwards inside use the frequencies of at least ``length`` tokens (None: no plan of
+        its own; an enclosing plan still holds)."""
+        previous = self.planned_length
+        self.planned_length = previous if length is None else max(int(length), previous or 0)
+        try:
+            yield
+        finally:
+            self.planned_length = previous
+
+    def _frequency_length(self, needed: int) -> int | None:
+        """The length whose frequencies a sequence of ``needed`` tokens gets now (None: the original)."""
+        return self.rotary.effective_length(max(needed, self.planned_length or 0))
+
+    def _covered(self, effective: int | None) -> int:
+        """How many tokens the frequencies of ``effective`` serve without a change."""
+        return self.rotary.original_max_seq_len if effective is None else effective
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -127,6 +176,7 @@ class CacheGuard:
                 f"Length-dependent RoPE methods need 2-D position_ids (batch, seq); got shape {tuple(positions.shape)}."
             )
         mask = _padding_of_new_tokens(arguments.get("attention_mask"), past, new_tokens, inputs.device)
+        needed = int(positions.max()) + 1
         log = self._log_of(cache) if compat.is_cache(cache) else None
         if log is None:
             if past > 0:
@@ -135,24 +185,42 @@ class CacheGuard:
                     f"current '{self.rotary.method.name}' patch (filled before patching, or by another patch), so "
                     "their states carry other frequencies. Start from a fresh cache (past_key_values=None)."
                 )
-            self._call = _Call(cache, inputs, positions, mask, new_tokens, recomputed=False)
+            frequency_length = self._frequency_length(needed)
+            self._call = _Call(cache, inputs, positions, mask, new_tokens, False, frequency_length)
+            self.rotary.frequency_length = frequency_length
             return None
 
         self._sync_with_cache(log, cache)
-        length = max(log.length, int(positions.max()) + 1)
-        if self.rotary.effective_length(length) == log.effective_length:
-            self._call = _Call(cache, inputs, positions, mask, new_tokens, recomputed=False)
+        length = max(log.length, needed)
+        if length <= self._covered(log.effective_length):
+            # The sequence still fits the frequencies the cache was filled with: keep them.
+            self._call = _Call(cache, inputs, positions, mask, new_tokens, False, log.effective_length)
+            self.rotary.frequency_length = log.effective_length
             return None
 
         # The frequencies change: recompute the cached states of the whole sequence with them.
         all_inputs = self._join_inputs(log, inputs, is_embeddings=arguments.get("input_ids") is None)
         all_positions = _broadcast_cat(log.positions, positions)
         all_mask = _broadcast_cat(log.mask, mask)
+        frequency_length = self._frequency_length(length)
         logger.debug(
-            "RoPE frequencies change at length %d: recomputing the states of %d cached tokens.",
+            "RoPE frequencies change at length %d (to those of %s tokens): recomputing the states of %d cached tokens.",
             length,
+            frequency_length,
             all_positions.shape[-1] - new_tokens,
         )
+        self.recomputations += 1
+        if self.planned_length is None and self.rotary.steps_per_doubling is None and not self._warned_unplanned:
+            self._warned_unplanned = True
+            logger.warning(
+                "A forward continued the KV cache past the %d tokens its RoPE frequencies were chosen for, so the "
+                "cache of %d tokens is recomputed; without a planned length this happens at every further token. "
+                "Decode loops outside `generate` should announce their final length with "
+                "`hf_rope_ext.planned_length(model, n)`, or patch with steps_per_doubling=1.",
+                self._covered(log.effective_length),
+                all_positions.shape[-1] - new_tokens,
+            )
+        self.rotary.frequency_length = frequency_length
         cache.reset()
         is_embeddings = all_inputs.dim() == 3
         arguments["input_ids"] = None if is_embeddings else all_inputs
@@ -162,11 +230,12 @@ class CacheGuard:
         arguments["attention_mask"] = all_mask if bool((all_mask == 0).any()) else None
         arguments["past_key_values"] = cache
         setattr(cache, LOG_ATTRIBUTE, None)
-        self._call = _Call(cache, all_inputs, all_positions, all_mask, new_tokens, recomputed=True)
+        self._call = _Call(cache, all_inputs, all_positions, all_mask, new_tokens, True, frequency_length)
         return (), arguments
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         call, self._call = self._call, None
+        self.rotary.frequency_length = None
         if call is None:
             return None
         cache = call.cache if compat.is_cache(call.cache) else getattr(output, "past_key_values", None)
@@ -190,8 +259,7 @@ class CacheGuard:
             inputs = self._join_inputs(log, call.inputs, is_embeddings=call.inputs.dim() == 3)
             positions = _broadcast_cat(log.positions, call.positions)
             mask = _broadcast_cat(log.mask, call.mask)
-        effective = self.rotary.effective_length(int(positions.max()) + 1)
-        setattr(cache, LOG_ATTRIBUTE, InputLog(id(self), inputs, positions, mask, effective))
+        setattr(cache, LOG_ATTRIBUTE, InputLog(id(self), inputs, positions, mask, call.frequency_length))
         _track_batch_changes(cache)
 
     def _join_inputs(self, log: InputLog, inputs: torch.Tensor, is_embeddings: bool) -> torch.Tensor:
@@ -288,3 +356,74 @@ def _track_batch_changes(cache: Any) -> None:
     follow("batch_repeat_interleave", repeat)
     follow("batch_select_indices", select)
     cache._hf_rope_ext_tracked = True
+
+
+# -- the planned length of generate -----------------------------------------------------------
+
+# What `generate` was on the instance before wrapping (None: the class's own).
+_WRAPPED_ATTRIBUTE = "_hf_rope_ext_generate_before"
+
+
+def _guards_in(model: nn.Module) -> list[CacheGuard]:
+    return [
+        module.cache_guard
+        for module in model.modules()
+        if isinstance(module, ExtendedRotaryEmbedding) and getattr(module, "cache_guard", None) is not None
+    ]
+
+
+def _generate_with_plan(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``generate`` that first announces its planned length to the model's cache guards."""
+    before = self.__dict__.get(_WRAPPED_ATTRIBUTE)
+    generate = type(self).generate.__get__(self) if before is None else before
+    plan = compat.planned_generation_length(self, args, kwargs)
+    with contextlib.ExitStack() as stack:
+        for guard in _guards_in(self):
+            stack.enter_context(guard.planning(plan))
+        return generate(*args, **kwargs)
+
+
+def _wrap_generate(model: nn.Module) -> list[nn.Module]:
+    """Give each generation model in ``model`` an instance-level ``generate`` that plans.
+
+    A bound method (not a closure) so that ``copy.deepcopy(model)`` binds it to the copy.
+    The class is untouched; :func:`_unwrap_generate` restores the instance.
+    """
+    wrapped = []
+    for module in model.modules():
+        if not isinstance(module, GenerationMixin) or _WRAPPED_ATTRIBUTE in module.__dict__:
+            continue
+        module.__dict__[_WRAPPED_ATTRIBUTE] = module.__dict__.get("generate")
+        module.__dict__["generate"] = types.MethodType(_generate_with_plan, module)
+        wrapped.append(module)
+    return wrapped
+
+
+def _unwrap_generate(module: nn.Module) -> None:
+    before = module.__dict__.pop(_WRAPPED_ATTRIBUTE, None)
+    module.__dict__.pop("generate", None)
+    if before is not None:
+        module.__dict__["generate"] = before
+
+
+@contextlib.contextmanager
+def planned_length(model: nn.Module, length: int) -> Iterator[nn.Module]:
+    """Forwards of ``model`` inside use the frequencies of at least ``length`` tokens.
+
+    ``generate`` does this by itself (prompt plus ``max_new_tokens``). Use it for a decode loop
+    of your own, so that the cache is filled once with the frequencies of the final length and
+    never recomputed, or to reproduce a generation's logits with one full forward::
+
+        with planned_length(model, prompt_length + new_tokens):
+            logits = model(sequence).logits
+
+    Static methods have no length-dependent frequencies: the context changes nothing for them.
+    """
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"planned_length needs a positive number of tokens, got {length!r}.")
+    if not any(isinstance(module, ExtendedRotaryEmbedding) for module in model.modules()):
+        raise ValueError(f"{type(model).__name__} is not patched by hf_rope_ext; planned_length applies to patched models.")
+    with contextlib.ExitStack() as stack:
+        for guard in _guards_in(model):
+            stack.enter_context(guard.planning(length))
+        yield model

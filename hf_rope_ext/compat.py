@@ -161,3 +161,29 @@ def layer_slot_positions(layer: Any, positions: torch.Tensor) -> tuple[torch.Ten
         f"Length-dependent RoPE methods cannot re-rotate keys held by {type(layer).__name__}; "
         "use DynamicCache or StaticCache, or a static method (linear, ntk, yarn, llama3)."
     )
+
+
+def planned_generation_length(model: Any, args: tuple, kwargs: dict) -> int | None:
+    """The sequence length a ``model.generate(*args, **kwargs)`` call can reach, or None if unknown.
+
+    The prompt's width plus ``max_new_tokens`` (from the call, a ``generation_config`` passed
+    to it, or the model's own), else an explicit ``max_length`` (the total). Without either,
+    transformers' default (a few new tokens, capped at the context) is left unplanned: the
+    cache guard then follows the sequence as it grows, which is exact, only slower.
+    """
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    widths = [tensor.shape[1] for tensor in (inputs, kwargs.get("inputs_embeds"))
+              if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2]
+    width = max(widths, default=0)
+    configs = [kwargs.get("generation_config"), getattr(model, "generation_config", None)]
+
+    def setting(name: str) -> Any:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+        return next((getattr(config, name) for config in configs if getattr(config, name, None) is not None), None)
+
+    max_new_tokens = setting("max_new_tokens")
+    if max_new_tokens is not None:
+        return width + int(max_new_tokens)
+    max_length = kwargs.get("max_length")
+    return None if max_length is None else max(int(max_length), width)

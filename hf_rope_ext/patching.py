@@ -28,11 +28,12 @@ from .rotary import ExtendedRotaryEmbedding
 logger = logging.getLogger(__name__)
 
 DEFAULT_METHOD = "dynamic-yarn"
-# Length-dependent methods change frequencies only at L0 * 2 ** (k / n). With a KV cache each
-# change recomputes the cached states (a prefill of the whole sequence), so n = 1 (once per
-# doubling) keeps generation within a few percent of transformers' inexact `dynamic`; larger n
-# follows the length more closely for one-shot forwards (README, "Speed").
-DEFAULT_STEPS_PER_DOUBLING = 1
+# Length-dependent methods use the frequencies of the exact (planned) length by default: a
+# forward over L tokens those of L, generate those of prompt + max_new_tokens, chosen once
+# before the prefill, so generation recomputes nothing (README, "Speed"). An integer n rounds
+# every length up to L0 * 2 ** (k / n) instead (fewer recomputations in decode loops that
+# announce no plan, at some cost in quality).
+DEFAULT_STEPS_PER_DOUBLING = None
 
 _UNSET: Any = object()  # "argument not given", where None is a meaningful value
 
@@ -279,12 +280,14 @@ def patch_model(
         max_length: target context in tokens; ``scale = max_length / original context``.
         original_max_length: the context the model was trained on; defaults to
             ``config.max_position_embeddings``.
-        steps_per_doubling: length-dependent methods only: beyond the original context ``L0``
-            the length is rounded up to the next ``L0 * 2 ** (k / steps_per_doubling)`` before
-            frequencies are computed (default 1: the next power of two times ``L0``). Each
-            change of the rounded length during generation recomputes the cached states once.
-            ``None`` follows the length token by token, as transformers' ``dynamic`` does
-            (exact, but with a KV cache every generated token recomputes the whole sequence).
+        steps_per_doubling: length-dependent methods only. Default ``None``: the frequencies
+            of the exact length (a forward over L tokens uses those of L, as transformers'
+            ``dynamic`` does; ``generate`` those of prompt + ``max_new_tokens``, chosen before
+            the prefill, so the KV cache is never recomputed within a call). An integer n
+            rounds every such length beyond the original context ``L0`` up to the next
+            ``L0 * 2 ** (k / n)``: a decode loop that announces no final length (see
+            :func:`hf_rope_ext.planned_length`) then recomputes the cache at most n times per
+            doubling instead of at every token past the length it was filled for.
         logn_attention: multiply the attention logits of the query at position ``i`` by
             ``max(1, ln(i + 1) / ln(L0))`` (log-n attention temperature), with any method.
             Also spelled as a ``+logn`` suffix of the method name (``"self-extend+logn"``).
@@ -364,7 +367,7 @@ def patch_model(
 
     caller, attribute = _caller_and_attribute(model, module_name)
     try:
-        rotary.cache_guard = CacheGuard(caller, rotary) if rope_method.length_dependent else None
+        rotary.cache_guard = CacheGuard(caller, rotary, model) if rope_method.length_dependent else None
         if remap is not None or logn_attention:
             from . import attention as attention_level
 

@@ -98,6 +98,11 @@ def effective_length(
     while length < seq_len:  # guard against rounding in log2
         k += 1
         length = math.ceil(original_length * 2 ** (k / steps_per_doubling))
+    # The grid values are rounded up, so the step below may already cover seq_len (46 for
+    # L0 = 32, n = 4): take it, so that a grid value maps to itself.
+    while k > 1 and math.ceil(original_length * 2 ** ((k - 1) / steps_per_doubling)) >= seq_len:
+        k -= 1
+        length = math.ceil(original_length * 2 ** (k / steps_per_doubling))
     return length
 
 
@@ -113,12 +118,13 @@ class ExtendedRotaryEmbedding(nn.Module):
 
     Replaces a model's rotary module instance (kept in ``original_rotary`` for
     :func:`hf_rope_ext.unpatch_model`). Static methods compute their frequencies once.
-    Length-dependent methods use the frequencies of the current length ``L = max(position_ids) + 1``
-    over the whole batch (every row gets the longest row's frequencies, as in transformers),
-    rounded up beyond the original context to one of ``steps_per_doubling`` geometric steps per
-    doubling (``L0 * 2 ** (k / n)``); the output depends on the call's positions only, never
-    on earlier calls. Keeping a KV cache consistent with these frequencies is the job of
-    :mod:`hf_rope_ext.cache_consistency`.
+    Length-dependent methods use the frequencies of the length ``frequency_length`` when it is
+    set (the cache guard sets it for each forward: generate's planned length, or the length the
+    KV cache's states were computed with), else of ``L = max(position_ids) + 1`` over the whole batch (every row gets the longest
+    row's frequencies, as in transformers); beyond the
+    original context the length is rounded up to one of ``steps_per_doubling`` geometric steps
+    per doubling (``L0 * 2 ** (k / n)``, not rounded when n is None). Keeping a KV cache
+    consistent with these frequencies is the job of :mod:`hf_rope_ext.cache_consistency`.
     """
 
     def __init__(
@@ -143,6 +149,9 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.config = getattr(original, "config", None)
         self.rope_type = method.name
         self._frequencies: dict[int | None, _Frequencies] = {}
+        # Length whose frequencies the next forward uses (at least its own length); set and
+        # cleared around each forward by the cache guard.
+        self.frequency_length: int | None = None
         self.cache_guard = None  # set by patch_model for length-dependent methods
         self.attention_patch = None  # set by patch_model for attention-level methods and log-n attention
 
@@ -217,6 +226,8 @@ class ExtendedRotaryEmbedding(nn.Module):
         if self.method.length_dependent:
             # One host sync per forward, as in transformers' dynamic types.
             length = int(position_ids.max()) + 1
+            if self.frequency_length is not None:
+                length = max(length, self.frequency_length)
             if length <= self.original_max_seq_len and self._use_original_module():
                 # Inside the original context the method is the original RoPE: use the original
                 # module itself, so outputs are bitwise those of the unpatched model.

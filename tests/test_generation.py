@@ -1,13 +1,26 @@
-"""Generation with the KV cache past the original context equals full forward passes."""
+"""Generation with the KV cache past the original context equals full forward passes.
+
+``generate`` plans: its frequencies are those of the prompt plus ``max_new_tokens`` from the
+prefill on, so each step equals a full forward over the same tokens inside
+``planned_length(model, prompt + max_new_tokens)``. Calling the class's ``generate`` directly
+skips the per-instance wrapper: that is a decode loop without a plan, whose frequencies follow
+the length (rounded to ``steps_per_doubling`` steps), so each step equals a plain full forward.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import copy
+import math
 
 import pytest
 import torch
 from conftest import ORIGINAL_CONTEXT, make_model, native_twin, random_ids
 from transformers import DynamicCache
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from hf_rope_ext import patch_model, unpatch_model
+from hf_rope_ext import patch_model, planned_length, unpatch_model
+from hf_rope_ext.rotary import effective_length
 
 L0 = ORIGINAL_CONTEXT
 LONG_FACTOR = [1.0 + 0.5 * i for i in range(8)]
@@ -18,9 +31,23 @@ def _extra(method):
     return {"long_factor": LONG_FACTOR} if method == "longrope" else {}
 
 
-def generation_vs_full_forward(model, prompt, new_tokens, attention_mask=None, **generate_kwargs):
-    """Largest difference between each generation step's logits and a full forward over the same tokens."""
-    out = model.generate(
+def unplanned_generate(model, *args, **kwargs):
+    """``generate`` without the patch's per-instance wrapper: no planned length is announced."""
+    return type(model).generate(model, *args, **kwargs)
+
+
+def recomputations(model) -> int:
+    return model.model.rotary_emb.cache_guard.recomputations
+
+
+def generation_vs_full_forward(model, prompt, new_tokens, attention_mask=None, planned=True, **generate_kwargs):
+    """Largest difference between each generation step's logits and a full forward over the same tokens.
+
+    ``planned``: the reference forwards use the frequencies of the planned length (prompt plus
+    new tokens), as ``generate`` does; else those of their own length (a loop without a plan).
+    """
+    generate = model.generate if planned else (lambda *a, **k: unplanned_generate(model, *a, **k))
+    out = generate(
         prompt,
         attention_mask=attention_mask,
         max_new_tokens=new_tokens,
@@ -36,8 +63,9 @@ def generation_vs_full_forward(model, prompt, new_tokens, attention_mask=None, *
     if attention_mask is None:
         attention_mask = torch.ones_like(prompt)
     full_mask = torch.cat([attention_mask, torch.ones(prompt.shape[0], new_tokens, dtype=attention_mask.dtype)], 1)
+    plan = planned_length(model, prompt_length + new_tokens) if planned else contextlib.nullcontext()
     worst = 0.0
-    with torch.no_grad():
+    with torch.no_grad(), plan:
         for step, step_logits in enumerate(out.logits):
             length = prompt_length + step
             position_ids = (full_mask[:, :length].cumsum(-1) - 1).clamp(min=0)
@@ -58,6 +86,19 @@ def test_generation_matches_full_forward(method):
     assert worst < TOLERANCE, f"{method}: generation differs from a full forward by {worst}"
 
 
+@pytest.mark.parametrize("method", DYNAMIC)
+def test_planned_frequencies_are_not_those_of_each_length(method):
+    """The planned reference is not vacuous: without the plan the full forwards differ."""
+    model = make_model("llama")
+    patch_model(model, scale=4, method=method, **_extra(method))
+    prompt = random_ids(L0 - 3)  # inside L0 on its own (longrope: short factors), beyond it with the plan
+    out = model.generate(prompt, max_new_tokens=L0, min_new_tokens=L0, do_sample=False, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        own_length = model(prompt).logits[:, -1]
+    assert (own_length - out.logits[0]).abs().max().item() > 1e-3
+
+
 @pytest.mark.parametrize("method", ["yarn", "dynamic-yarn"])
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
 def test_generation_matches_full_forward_other_families(family, method):
@@ -67,40 +108,92 @@ def test_generation_matches_full_forward_other_families(family, method):
     assert worst < TOLERANCE, f"{method}: generation differs from a full forward by {worst}"
 
 
+@pytest.mark.parametrize("steps_per_doubling", [None, 1, 2, 4])
 @pytest.mark.parametrize("method", ["dynamic", "dynamic-yarn"])
-def test_token_exact_dynamic_generation_matches_full_forward(method):
-    # steps_per_doubling=None: the frequencies change at every token, the cached states are recomputed each time.
+def test_unplanned_generation_matches_full_forward(method, steps_per_doubling):
+    # No plan: the frequencies follow the length (every token with None, grid steps otherwise)
+    # and the cached states are recomputed at each change.
     model = make_model("llama")
-    patch_model(model, scale=4, method=method, steps_per_doubling=None)
-    assert generation_vs_full_forward(model, random_ids(L0 - 4), new_tokens=L0) < TOLERANCE
+    patch_model(model, scale=4, method=method, steps_per_doubling=steps_per_doubling)
+    assert generation_vs_full_forward(model, random_ids(L0 - 4), new_tokens=L0, planned=False) < TOLERANCE
 
 
-@pytest.mark.parametrize("steps_per_doubling", [2, 4])
-def test_finer_frequency_steps_generation_matches_full_forward(steps_per_doubling):
-    model = make_model("llama")
-    patch_model(model, scale=4, method="dynamic-yarn", steps_per_doubling=steps_per_doubling)
-    assert generation_vs_full_forward(model, random_ids(L0 - 4), new_tokens=2 * L0) < TOLERANCE
-
-
-@pytest.mark.parametrize("steps_per_doubling, expected", [(None, 2), (1, 2), (2, 4), (4, 8)])
-def test_cached_states_are_recomputed_once_per_frequency_step(steps_per_doubling, expected):
-    """Generating from L0 - 4 to 4 L0 tokens crosses the grid L0 * 2 ** (k / n) at k = 0 .. 2n - 1.
-
-    Each crossing re-runs the decoder over the whole sequence once (a call of more than one
-    token); every other step runs one token. None means the default (one step per doubling).
-    """
-    model = make_model("llama")
-    extra = {} if steps_per_doubling is None else {"steps_per_doubling": steps_per_doubling}
-    patch_model(model, scale=4, method="dynamic", **extra)
+def _decoder_calls(model, run) -> list[int]:
+    """Number of tokens of every call of the first decoder layer while ``run()`` runs."""
     lengths = []
     hook = model.model.layers[0].register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+    try:
+        run()
+    finally:
+        hook.remove()
+    return lengths
+
+
+@pytest.mark.parametrize("prompt_length", [L0 - 4, L0, L0 + 9])
+@pytest.mark.parametrize("steps_per_doubling", [None, 1, 4])
+def test_planned_generation_recomputes_nothing(prompt_length, steps_per_doubling):
+    """The frequencies of prompt + max_new_tokens are chosen before the prefill: one prefill,
+    then one token per call, whatever the frequency grid."""
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic", steps_per_doubling=steps_per_doubling)
+    prompt = random_ids(prompt_length)
+    new_tokens = 4 * L0 - prompt_length
+    lengths = _decoder_calls(model, lambda: model.generate(
+        prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0))
+    assert lengths == [prompt_length] + [1] * (new_tokens - 1)
+    assert recomputations(model) == 0
+
+
+@pytest.mark.parametrize("steps_per_doubling, expected", [(None, 3 * L0 - 1), (1, 2), (2, 4), (4, 8)])
+def test_unplanned_generation_recomputes_once_per_frequency_step(steps_per_doubling, expected):
+    """Without a plan, generating from L0 - 4 to 4 L0 tokens feeds lengths up to 4 L0 - 1 and
+    crosses the grid L0 * 2 ** (k / n) at k = 0 .. 2n - 1 (n = None: every length past L0).
+
+    Each crossing re-runs the decoder over the whole sequence once (a call of more than one
+    token); every other step runs one token.
+    """
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic", steps_per_doubling=steps_per_doubling)
     prompt = random_ids(L0 - 4)
     new_tokens = 3 * L0 + 4
-    model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    hook.remove()
+    lengths = _decoder_calls(model, lambda: unplanned_generate(
+        model, prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0))
     assert lengths[0] == L0 - 4  # the prefill
     assert lengths[1:].count(1) == new_tokens - 1 - expected
     assert sum(length > 1 for length in lengths[1:]) == expected
+    assert recomputations(model) == expected
+
+
+def test_continuing_the_cache_recomputes_only_past_the_planned_length():
+    """A second generate call on the same cache keeps the first call's frequencies while the
+    sequence fits them and recomputes once, to its own planned length, when it goes past."""
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    prompt = random_ids(L0 - 2)
+    first_new, second_new = L0, L0
+    kwargs = dict(do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    first = model.generate(prompt, max_new_tokens=first_new, min_new_tokens=first_new, **kwargs)
+    first_plan = prompt.shape[1] + first_new
+    cache = first.past_key_values
+    assert recomputations(model) == 0
+    lengths = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+    second = model.generate(first.sequences, past_key_values=cache, max_new_tokens=second_new,
+                            min_new_tokens=second_new, **kwargs)
+    hook.remove()
+    second_plan = first_plan + second_new
+    assert recomputations(model) == 1
+    # Calls of the second generate: the uncached last token (length first_plan, fits), one token
+    # at a time until the first step past first_plan, which re-runs the whole sequence.
+    assert lengths[0] == 1 and lengths[1] == first_plan + 1 and lengths[2:] == [1] * (second_new - 2)
+    sequences = second.sequences
+    with torch.no_grad():
+        for step, step_logits in enumerate(second.logits):
+            length = first_plan + step
+            plan = first_plan if length <= first_plan else second_plan
+            with planned_length(model, plan):
+                full = model(sequences[:, :length]).logits[:, -1]
+            assert (full - step_logits).abs().max().item() < TOLERANCE, (step, length)
 
 
 def test_transformers_dynamic_does_not_match_but_ours_does():
@@ -108,22 +201,24 @@ def test_transformers_dynamic_does_not_match_but_ours_does():
     model = make_model("llama")
     theirs = native_twin(model, {"rope_type": "dynamic", "factor": 4.0}, L0)
     prompt = random_ids(L0 - 4)
-    their_error = generation_vs_full_forward(theirs, prompt, new_tokens=2 * L0)
+    their_error = generation_vs_full_forward(theirs, prompt, new_tokens=2 * L0, planned=False)
     patch_model(model, scale=4, method="dynamic", steps_per_doubling=None)  # the very same frequencies as theirs
-    our_error = generation_vs_full_forward(model, prompt, new_tokens=2 * L0)
+    our_error = generation_vs_full_forward(model, prompt, new_tokens=2 * L0, planned=False)
     assert their_error > 1e-2
     assert our_error < TOLERANCE
 
 
-def test_left_padded_batch(family):
+@pytest.mark.parametrize("planned", [True, False])
+def test_left_padded_batch(family, planned):
     model = make_model(family)
-    patch_model(model, scale=4, method="dynamic-yarn")
+    patch_model(model, scale=4, method="dynamic-yarn", steps_per_doubling=None if planned else 1)
     prompt = random_ids(L0 - 8, batch=3)
     mask = torch.ones_like(prompt)
     mask[0, :11] = 0  # left padding of different widths
     mask[2, :5] = 0
     prompt = prompt.masked_fill(mask == 0, 0)
-    assert generation_vs_full_forward(model, prompt, new_tokens=2 * L0, attention_mask=mask) < TOLERANCE
+    worst = generation_vs_full_forward(model, prompt, new_tokens=2 * L0, attention_mask=mask, planned=planned)
+    assert worst < TOLERANCE
 
 
 def test_static_method_left_padding_matches_unpadded_rows():
@@ -140,28 +235,32 @@ def test_static_method_left_padding_matches_unpadded_rows():
     assert torch.equal(together[0, 10:], alone[0])
 
 
-@pytest.mark.parametrize("method", ["dynamic-yarn", "yarn"])
-def test_sliding_window_cache(method):
+@pytest.mark.parametrize("method, planned", [("dynamic-yarn", True), ("dynamic-yarn", False), ("yarn", True)])
+def test_sliding_window_cache(method, planned):
     # Mistral with a sliding window shorter than the sequence: sliding cache layers drop old tokens.
     model = make_model("mistral", sliding_window=24)
-    patch_model(model, scale=4, method=method)
-    assert generation_vs_full_forward(model, random_ids(L0 - 10), new_tokens=2 * L0) < TOLERANCE
+    patch_model(model, scale=4, method=method, **({} if planned else {"steps_per_doubling": 1}))
+    assert generation_vs_full_forward(model, random_ids(L0 - 10), new_tokens=2 * L0, planned=planned) < TOLERANCE
 
 
-def test_static_cache():
+@pytest.mark.parametrize("planned", [True, False])
+def test_static_cache(planned):
     model = make_model("llama")
-    patch_model(model, scale=4, method="dynamic-yarn")
-    worst = generation_vs_full_forward(model, random_ids(L0 - 10), new_tokens=2 * L0, cache_implementation="static")
+    patch_model(model, scale=4, method="dynamic-yarn", steps_per_doubling=None if planned else 1)
+    worst = generation_vs_full_forward(model, random_ids(L0 - 10), new_tokens=2 * L0, cache_implementation="static",
+                                       planned=planned)
     assert worst < TOLERANCE
 
 
-def test_beam_search_scores_match_full_forwards():
-    # Beam search reorders the cache; the recomputed states must follow the reordered rows.
+@pytest.mark.parametrize("planned", [True, False])
+def test_beam_search_scores_match_full_forwards(planned):
+    # Beam search reorders the cache; without a plan the recomputed states must follow the reordered rows.
     model = make_model("llama")
-    patch_model(model, scale=4, method="dynamic-yarn")
+    patch_model(model, scale=4, method="dynamic-yarn", steps_per_doubling=None if planned else 1)
     prompt = random_ids(L0 - 6)
     new_tokens = 2 * L0
-    out = model.generate(
+    generate = model.generate if planned else (lambda *a, **k: unplanned_generate(model, *a, **k))
+    out = generate(
         prompt,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
@@ -176,12 +275,14 @@ def test_beam_search_scores_match_full_forwards():
     # The winning beam's score is the sum of its tokens' log-probabilities, each computed by a
     # full forward over the tokens before it (the frequencies depend on that prefix's length).
     total = 0.0
-    with torch.no_grad():
+    plan = planned_length(model, prompt.shape[1] + new_tokens) if planned else contextlib.nullcontext()
+    with torch.no_grad(), plan:
         for step in range(new_tokens):
             length = prompt.shape[1] + step
             logits = model(best[None, :length]).logits[0, -1]
             total += torch.log_softmax(logits.float(), -1)[best[length]].item()
     assert total == pytest.approx(out.sequences_scores[0].item(), abs=1e-3)
+    assert recomputations(model) == (0 if planned else 2)  # unplanned: the grid steps 2 L0 and 4 L0 (n = 1)
 
 
 def test_manual_cache_loop_and_foreign_cache():
@@ -224,3 +325,106 @@ def test_length_dependent_frequencies_follow_the_longest_row_of_the_batch():
         expected = longest(short).logits[0]
     torch.testing.assert_close(together, expected, rtol=0, atol=2e-5)
     assert (together - alone).abs().max() > 1e-3  # alone, the row gets the frequencies of 40 tokens
+
+
+def test_manual_decode_loop_with_planned_length_recomputes_nothing():
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic")
+    ids = random_ids(3 * L0)
+    with torch.no_grad(), planned_length(model, 3 * L0):
+        reference = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        chunks = [model(ids[:, start:end], past_key_values=cache, use_cache=True).logits
+                  for start, end in [(0, L0 - 3)] + [(i, i + 1) for i in range(L0 - 3, 3 * L0)]]
+    torch.testing.assert_close(torch.cat(chunks, 1), reference, rtol=0, atol=TOLERANCE)
+    assert recomputations(model) == 0
+
+
+@pytest.mark.parametrize("length", [L0 - 3, L0, L0 + 1, 45, 3 * L0 + 5])
+def test_single_forward_uses_the_exact_length_like_transformers_dynamic(length):
+    """By default a forward without a cache over L tokens uses the frequencies of L itself:
+    transformers' own `dynamic` (which follows the exact length) gives the same cos/sin and logits."""
+    model = make_model("llama")
+    theirs = native_twin(model, {"rope_type": "dynamic", "factor": 4.0}, L0)
+    patch_model(model, scale=4, method="dynamic")
+    ids = random_ids(length)
+    positions = torch.arange(length)[None]
+    probe = torch.zeros(1)
+    with torch.no_grad():
+        our_cos, our_sin = model.model.rotary_emb(probe, positions)
+        their_cos, their_sin = theirs.model.rotary_emb(probe, positions)
+        torch.testing.assert_close(our_cos, their_cos, rtol=0, atol=1e-5)
+        torch.testing.assert_close(our_sin, their_sin, rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(ids).logits, theirs(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_steps_per_doubling_still_rounds_a_single_forward():
+    """With an explicit grid, L0 + 1 tokens get the frequencies of 2 L0 (transformers' `dynamic`
+    function at seq_len 2 L0), not those of L0 + 1."""
+    model = make_model("llama")
+    theirs = native_twin(model, {"rope_type": "dynamic", "factor": 4.0}, L0)
+    patch_model(model, scale=4, method="dynamic", steps_per_doubling=1)
+    ours, _ = model.model.rotary_emb.frequencies(L0 + 1)
+    at_double, _ = ROPE_INIT_FUNCTIONS["dynamic"](theirs.config, seq_len=2 * L0)
+    at_length, _ = ROPE_INIT_FUNCTIONS["dynamic"](theirs.config, seq_len=L0 + 1)
+    torch.testing.assert_close(ours.float(), at_double.float(), rtol=1e-6, atol=0)
+    assert not torch.allclose(ours.float(), at_length.float(), rtol=1e-4, atol=0)
+
+
+def test_planned_length_refuses_bad_input():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="not patched"):
+        with planned_length(model, 100):
+            pass
+    patch_model(model, scale=4, method="dynamic")
+    for bad in (0, -5, 2.5, "100", True):
+        with pytest.raises(ValueError, match="positive number of tokens"):
+            with planned_length(model, bad):
+                pass
+
+
+def test_generate_wrapper_is_per_instance_and_removed_by_unpatch():
+    model = make_model("llama")
+    other = make_model("llama")
+    class_generate = type(model).generate
+    patch_model(model, scale=4, method="dynamic-yarn")
+    assert "generate" in vars(model) and "generate" not in vars(other)
+    assert type(model).generate is class_generate
+    twin = copy.deepcopy(model)  # the copy's wrapper plans for the copy, not for the original
+    assert twin.generate.__self__ is twin
+    prompt = random_ids(L0 + 5)
+    twin.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert recomputations(twin) == 0 and recomputations(model) == 0
+    unpatch_model(model)
+    assert "generate" not in vars(model) and not any(name.startswith("_hf_rope_ext") for name in vars(model))
+
+
+@pytest.mark.parametrize("steps_per_doubling", [1, 2, 3, 4, 8])
+def test_frequency_grid_takes_the_smallest_step_and_maps_steps_to_themselves(steps_per_doubling):
+    """The length a sequence's frequencies come from is the smallest ceil(L0 * 2 ** (k / n)) >= L
+    (a brute-force search here), and a grid length maps to itself: the cache guard hands the
+    rotary module lengths it already rounded."""
+    grid = sorted({math.ceil(L0 * 2 ** (k / steps_per_doubling)) for k in range(1, 8 * steps_per_doubling)})
+    for length in range(L0 + 1, 8 * L0):
+        expected = min(step for step in grid if step >= length)
+        rounded = effective_length(length, L0, steps_per_doubling)
+        assert rounded == expected, (length, rounded, expected)
+        assert effective_length(rounded, L0, steps_per_doubling) == rounded
+    assert effective_length(L0, L0, steps_per_doubling) is None
+
+
+def test_generate_without_a_length_keeps_an_enclosing_plan():
+    # No max_new_tokens nor max_length: transformers' default (up to the config's 32 tokens) is
+    # not planned by the wrapper, so the enclosing plan of 4 L0 must hold.
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic")
+    prompt = random_ids(L0 - 12)
+    with planned_length(model, 4 * L0):
+        out = model.generate(prompt, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            full = model(out.sequences[:, :-1]).logits[:, L0 - 13 :]
+    assert out.sequences.shape[1] == L0
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
+    with torch.no_grad():  # and the plan matters here: inside L0 on their own, these are the original frequencies
+        assert not torch.allclose(model(out.sequences[:, :-1]).logits[:, L0 - 13 :], full, atol=1e-3)

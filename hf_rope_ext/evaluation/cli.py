@@ -114,7 +114,7 @@ def add_parser(subparsers) -> None:
     group.add_argument("--chunk-size", type=int, default=1024, help="positions per LM-head call in the loss")
     group.add_argument("--steps-per-doubling", type=_steps, default=DEFAULT_STEPS_PER_DOUBLING,
                        help="frequency steps per doubling of the length for length-dependent methods, or 'exact' "
-                            f"(default {DEFAULT_STEPS_PER_DOUBLING}; see patch_model)")
+                            f"(default {DEFAULT_STEPS_PER_DOUBLING or 'exact'}; see patch_model)")
     group.add_argument("--no-reuse", action="store_true",
                        help="compute every case, even when a finished case used the same rotary frequencies")
     group.add_argument("--report-only", action="store_true", help="only regenerate the reports from results.jsonl")

@@ -93,9 +93,10 @@ def method_label(method: str, steps: int | str | None = None) -> str:
     if steps is None:
         dynamic = method != NONE_METHOD and _known(method) and get_method(method).length_dependent
         return f"{method} (steps unrecorded)" if dynamic else method
-    if steps == EXACT_STEPS:
-        return f"{method} (exact length)"
-    return method if steps == DEFAULT_STEPS_PER_DOUBLING else f"{method} ({steps} steps/doubling)"
+    default = EXACT_STEPS if DEFAULT_STEPS_PER_DOUBLING is None else DEFAULT_STEPS_PER_DOUBLING
+    if steps == default:
+        return method
+    return f"{method} (exact length)" if steps == EXACT_STEPS else f"{method} ({steps} steps/doubling)"
 
 
 def _known(method: str) -> bool:
