@@ -119,32 +119,27 @@ def reference_logits_at(model, ids, positions, position_fn, logn=False, theta=No
 # ----------------------------------------------------------------------------------------------
 
 
+# method, its parameters, and the papers' position map with the same parameters
+PAPER_CASES = {
+    "self-extend": ({"group_size": 6, "neighbor_window": 8}, lambda i, j: self_extend_positions(i, j, 6, 8)),
+    "self-extend per-query group": ({"neighbor_window": 8}, lambda i, j: self_extend_positions(i, j, None, 8)),
+    "dual-chunk": ({"chunk_size": 20, "local_window": 4}, lambda i, j: dual_chunk_positions(i, j, 20, 4)),
+}
+
+
+@pytest.mark.parametrize("case", list(PAPER_CASES))
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
-def test_self_extend_matches_naive_reference(family, implementation):
+def test_matches_naive_reference(family, implementation, case):
     model = make_model(family, attn_implementation=implementation)
     ids = random_ids(LENGTH)
-    group, window = 6, 8
-    expected = reference_logits(model, ids, lambda i, j: self_extend_positions(i, j, group, window))
+    params, position_fn = PAPER_CASES[case]
+    expected = reference_logits(model, ids, position_fn)
     unpatched = model(ids).logits.detach()
-    patch_model(model, scale=4, method="self-extend", group_size=group, neighbor_window=window)
+    patch_model(model, scale=4, method=case.split()[0], **params)
     with torch.no_grad():
         actual = model(ids).logits
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
     # and it is not the unpatched model beyond L0 (the reference would then be meaningless)
-    assert (unpatched[:, L0:] - expected[:, L0:]).abs().max() > 1e-2
-
-
-@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
-def test_dual_chunk_matches_naive_reference(family, implementation):
-    model = make_model(family, attn_implementation=implementation)
-    ids = random_ids(LENGTH)
-    chunk, local = 20, 4
-    expected = reference_logits(model, ids, lambda i, j: dual_chunk_positions(i, j, chunk, local))
-    unpatched = model(ids).logits.detach()
-    patch_model(model, scale=4, method="dual-chunk", chunk_size=chunk, local_window=local)
-    with torch.no_grad():
-        actual = model(ids).logits
-    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
     assert (unpatched[:, L0:] - expected[:, L0:]).abs().max() > 1e-2
 
 
@@ -291,20 +286,16 @@ def test_two_models_keep_their_own_settings():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
-def test_self_extend_with_a_group_size_per_query_matches_naive_reference(family, implementation):
-    """The default group_size=None: every query groups as finely as the trained context allows."""
-    model = make_model(family, attn_implementation=implementation)
-    ids = random_ids(LENGTH)
-    expected = reference_logits(model, ids, lambda i, j: self_extend_positions(i, j, None, 8))
-    patch_model(model, scale=4, method="self-extend", neighbor_window=8)
-    with torch.no_grad():
-        actual = model(ids).logits
-    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+def test_group_per_query_reaches_the_edge_of_the_trained_distances_and_no_further():
     longest = max(pq - pk for i in range(LENGTH) for j in range(i + 1) for pq, pk in [self_extend_positions(i, j, None, 8)])
-    assert longest == L0 - 1  # the finest grouping reaches the edge of the trained distances, never beyond
-    groups = {next(g for g in range(2, i + 2) if i // g + 8 - 8 // g < L0) for i in range(L0, LENGTH)}
-    assert groups == {2, 3, 4}  # several group sizes in one call: one regime each
+    assert longest == L0 - 1
+    model = make_model("llama")
+    patch_model(model, scale=4, method="self-extend", neighbor_window=8)
+    remap = model.model.rotary_emb.attention_patch.remap
+    groups = [remap.group_for(i) for i in range(L0, LENGTH)]
+    # several group sizes in one call (one regime each), and each the smallest that fits
+    assert set(groups) == {2, 3, 4}
+    assert groups == [next(g for g in range(2, i + 2) if i // g + 8 - 8 // g < L0) for i in range(L0, LENGTH)]
 
 
 @pytest.mark.parametrize(
