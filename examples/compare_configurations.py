@@ -103,8 +103,10 @@ def main() -> None:
                   "ppl": ppl, "seconds": seconds,
                   # the process's peak resident memory so far (Linux: KiB), an upper bound for this forward
                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        # An interrupted run can leave a last line without its newline: start on a fresh line.
+        fresh_line = not results_path.exists() or results_path.read_bytes()[-1:] in (b"", b"\n")
         with results_path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+            handle.write(("" if fresh_line else "\n") + json.dumps(record) + "\n")
         logger.info("%s: %s (%.0f s)", spec, ", ".join(f"{p:.2f}" for p in ppl), seconds)
 
     rows = [record for record in (json.loads(line) for line in results_path.read_text().splitlines() if line.strip())]
