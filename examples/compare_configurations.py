@@ -49,6 +49,17 @@ def parse_configuration(text: str) -> tuple[str, dict]:
     return method.strip(), params
 
 
+def read_records(path: Path) -> list[dict]:
+    """The finished configurations in ``path``; a line cut by an interrupted run is skipped."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            logger.warning("skipping an incomplete line of %s (an interrupted run); it is computed again", path)
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
@@ -65,14 +76,7 @@ def main() -> None:
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     results_path = output / "results.jsonl"
-    done = {}
-    if results_path.exists():
-        for line in results_path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by an interrupted run
-            done[record["key"]] = record
+    done = {record["key"]: record for record in read_records(results_path)}
 
     model, tokenizer = load_model(args.model, attn_implementation=args.attn_implementation)
     native = int(model.config.max_position_embeddings)
@@ -109,7 +113,7 @@ def main() -> None:
             handle.write(("" if fresh_line else "\n") + json.dumps(record) + "\n")
         logger.info("%s: %s (%.0f s)", spec, ", ".join(f"{p:.2f}" for p in ppl), seconds)
 
-    rows = [record for record in (json.loads(line) for line in results_path.read_text().splitlines() if line.strip())]
+    rows = read_records(results_path)
     base = {r["length"]: r["seconds"] for r in rows if r["config"] == "none"}
     lines = ["| config | scale | length | " + " | ".join(f"ppl {a}-{b}" for a, b in zip(edges, edges[1:])) + " | time vs none |",
              "|---|---|---|" + "---|" * (len(edges) - 1) + "---|"]
