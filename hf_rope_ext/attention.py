@@ -446,7 +446,7 @@ def remapped_attention(
         logn_length: if set, ``L0`` of the log-n attention temperature.
     """
     batch, heads, query_len, _ = query.shape
-    kv_heads, key_len = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
     query_positions = query_positions.expand(batch, -1)
     key_positions = key_positions.expand(batch, -1)
     inv_freq = inv_freq.to(query.device)

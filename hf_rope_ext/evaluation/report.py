@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_path, atomic_write_text
-from ..methods import get_method, list_methods
+from ..methods import get_method
 from ..patching import DEFAULT_STEPS_PER_DOUBLING
 from .perplexity import safe_exp
 from .runner import EXACT_STEPS, NONE_METHOD, read_results
