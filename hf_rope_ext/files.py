@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,78 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def _carry_over(old: Path, staging: Path, keep: Callable[[str], bool]) -> None:
+    """Copy the entries of ``old`` that the staged output lacks (and ``keep`` accepts) into it.
+
+    Hard links where the file system allows (no second copy of large files), copies otherwise.
+    """
+    for entry in old.iterdir():
+        destination = staging / entry.name
+        if destination.exists() or destination.is_symlink() or not keep(entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, destination, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, destination)
+
+
+def _link_or_copy(source: str | os.PathLike, destination: str | os.PathLike) -> None:
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), destination)
+        return
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, *, keep_existing: Callable[[str], bool] | None = None) -> Iterator[Path]:
+    """Yield an empty staging folder beside ``path``; once the block succeeds it replaces ``path``.
+
+    Every output folder of the package (saved checkpoints, adapters, merged models, training
+    checkpoints, cached model copies) is written through this, so that a run that fails or is
+    interrupted half way leaves ``path`` exactly as it was, and a new folder appears whole.
+
+    ``keep_existing``: when ``path`` already exists, its entries that the block did not write and
+    that ``keep_existing(name)`` accepts are carried into the new folder (for example a README
+    the user wrote beside a checkpoint); the others (stale weight shards) go with the old folder.
+    Files get the user's normal permissions (umask), not the 0600/0700 of mkstemp/mkdtemp.
+
+    The swap renames the old folder aside, renames the new one into place, then deletes the old;
+    if the second rename fails the old folder is put back. Folders created for ``path``'s parent
+    are removed again on failure.
+    """
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{target} is a file, not a folder; choose a folder path (new or existing).")
+    created = [folder for folder in (target.parent, *target.parent.parents) if not folder.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(target.parent, f".{target.name}.staging-")
+    try:
+        yield staging
+        if target.exists() and keep_existing is not None:
+            _carry_over(target, staging, keep_existing)
+        give_umask_permissions(staging)
+        if not target.exists():
+            os.replace(staging, target)
+        else:
+            aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.rmdir(aside)
+            os.replace(target, aside)
+            try:
+                os.replace(staging, target)
+            except BaseException:
+                os.replace(aside, target)
+                raise
+            shutil.rmtree(aside, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for folder in created:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
