@@ -162,7 +162,10 @@ def whole_token_scale(scale: float, original_length: int) -> float:
     return whole
 
 
-def _resolve_scale(scale: Any, max_length: Any, original_length: int) -> float:
+def resolve_scale(scale: Any, max_length: Any, original_length: int) -> float:
+    """The scale of a patch from ``scale`` or ``max_length`` (exactly one), checked and rounded so
+    that ``original_length * scale`` is a whole number of tokens (see :func:`whole_token_scale`).
+    Every entry point (patching, fine-tuning, runtime settings) resolves its target through this."""
     if scale is not None and max_length is not None:
         raise ValueError(
             f"Give either scale or max_length, not both (got scale={scale!r}, max_length={max_length!r}); "
@@ -181,7 +184,9 @@ def _resolve_scale(scale: Any, max_length: Any, original_length: int) -> float:
     return whole_token_scale(_check_scale(scale), original_length)
 
 
-def _original_length(config: Any, original_max_length: Any) -> int:
+def original_context_length(config: Any, original_max_length: Any = None) -> int:
+    """The context the model was trained on: ``original_max_length`` if given, else the config's
+    ``max_position_embeddings``."""
     if original_max_length is not None:
         return _check_length(original_max_length, "original_max_length")
     value = getattr(config, "max_position_embeddings", None)
@@ -319,8 +324,8 @@ def patch_model(
     rotary_dim = 2 * original.inv_freq.shape[-1]
     _verify_layout(original, rotary_dim, base, model_type)
 
-    original_length = _original_length(config, original_max_length)
-    scale = _resolve_scale(scale, max_length, original_length)
+    original_length = original_context_length(config, original_max_length)
+    scale = resolve_scale(scale, max_length, original_length)
     method, logn_attention = split_method_spec(method, logn_attention)
     rope_method = get_method(method)
     resolved = resolve_params(rope_method, rotary_dim, params)
