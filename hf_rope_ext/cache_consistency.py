@@ -25,11 +25,11 @@ Every logit is therefore that of one full forward over the same tokens with the 
 use, i.e. of ``max(planned length, tokens so far)``: ``with planned_length(model, P): model(ids)``
 reproduces them.
 
-Mechanism: two forward hooks on the module that calls the rotary embedding (the base model).
-The pre-hook keeps a log of the inputs and position ids written to each cache (on the cache
-object), tells the rotary module which length's frequencies to use, and, when the frequencies
-must change, empties the cache and hands the whole logged sequence to the forward; the
-post-hook cuts the outputs back to the tokens of the call.
+Mechanism (:class:`PrefixRecompute`): two forward hooks on the module that calls the rotary
+embedding (the base model). The pre-hook tells the rotary module which length's frequencies to
+use and, when they must change, empties the cache and hands the forward the whole logged
+sequence; the post-hook cuts the outputs back to the tokens of the call and records what the
+cache now holds (:mod:`hf_rope_ext.cache_log`, which also follows the cache's batch operations).
 """
 
 from __future__ import annotations
@@ -47,53 +47,31 @@ from torch import nn
 from transformers import GenerationMixin
 
 from . import compat
+from .cache_log import CacheLogs, InputLog
 from .rotary import ExtendedRotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
-LOG_ATTRIBUTE = "_hf_rope_ext_inputs"
-
-
-@dataclass
-class InputLog:
-    """Everything written to one cache, so its states can be recomputed. Lives on the cache."""
-
-    owner: int  # id() of the guard that wrote it
-    inputs: torch.Tensor  # (batch, n) token ids or (batch, n, hidden) input embeddings
-    positions: torch.Tensor  # (batch or 1, n) position ids
-    mask: torch.Tensor  # (batch or 1, n) 1 for real tokens, 0 for padding
-    effective_length: int | None  # length whose frequencies the cached states carry (None: the original)
-
-    @property
-    def length(self) -> int:
-        return int(self.positions.max()) + 1
-
 
 @dataclass
 class _Call:
+    """One forward of the hooked module, from its pre-hook to its post-hook."""
+
+    kwargs: dict  # the keyword arguments its forward gets: the post-hook's own (or a later pre-hook's)
     cache: Any
-    inputs: torch.Tensor
-    positions: torch.Tensor
-    mask: torch.Tensor
+    log: InputLog | None  # what the cache holds after the forward (None: nothing to record)
     new_tokens: int
     recomputed: bool
     frequency_length: int | None  # length whose frequencies this forward uses (None: the original)
 
 
-def _broadcast_cat(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Concatenate along the sequence axis; a batch of 1 broadcasts (position ids often do)."""
-    if old.shape[0] != new.shape[0]:
-        batch = max(old.shape[0], new.shape[0])
-        old = old.expand(batch, *old.shape[1:])
-        new = new.expand(batch, *new.shape[1:])
-    return torch.cat([old, new.to(old.device)], dim=1)
-
-
-class CacheGuard:
-    """The pair of hooks that keeps caches exact for one patched rotary module.
+class PrefixRecompute:
+    """The pair of hooks that keeps caches exact for one patched rotary module, by re-running
+    the prefix written to a cache when its frequencies must change.
 
     ``model`` is what was patched: ``generate`` of each transformers generation model in it
     (normally one) gets a per-instance wrapper that announces the planned length.
+    ``logs`` holds the :class:`InputLog` of each cache these hooks filled.
     """
 
     def __init__(self, caller: nn.Module, rotary: ExtendedRotaryEmbedding, model: nn.Module | None = None):
@@ -107,7 +85,11 @@ class CacheGuard:
                 f"{type(caller).__name__}.forward lacks {sorted(missing)}; length-dependent methods need them to keep "
                 "the KV cache exact. Use a static method (linear, ntk, yarn, llama3)."
             )
-        self._call: _Call | None = None
+        self.logs = CacheLogs()
+        # Forwards under way, innermost last: a forward can run inside another (a hook that calls
+        # the model), and each post-hook must see its own call. One thread at a time: the rotary
+        # module's frequency_length is shared anyway.
+        self._calls: list[_Call] = []
         self.planned_length: int | None = None
         self.recomputations = 0  # prefix recomputations since patching (for benchmarks and tests)
         self._warned_unplanned = False
@@ -157,14 +139,18 @@ class CacheGuard:
                 arguments[name] = value
         return arguments
 
+    def _start(self, call: _Call) -> None:
+        self._calls.append(call)
+        self.rotary.frequency_length = call.frequency_length
+
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        self._call = None
         arguments = self._arguments(args, kwargs)
         cache = arguments.get("past_key_values")
         inputs = arguments.get("input_ids")
         if inputs is None:
             inputs = arguments.get("inputs_embeds")
         if inputs is None:
+            self._start(_Call(kwargs, cache, None, 0, False, self.rotary.frequency_length))
             return None
         new_tokens = inputs.shape[1]
         past = cache.get_seq_length() if compat.is_cache(cache) else 0
@@ -177,7 +163,7 @@ class CacheGuard:
             )
         mask = _padding_of_new_tokens(arguments.get("attention_mask"), past, new_tokens, inputs.device)
         needed = int(positions.max()) + 1
-        log = self._log_of(cache) if compat.is_cache(cache) else None
+        log = self._synced_log(cache) if compat.is_cache(cache) else None
         if log is None:
             if past > 0:
                 raise RuntimeError(
@@ -186,28 +172,26 @@ class CacheGuard:
                     "their states carry other frequencies. Start from a fresh cache (past_key_values=None)."
                 )
             frequency_length = self._frequency_length(needed)
-            self._call = _Call(cache, inputs, positions, mask, new_tokens, False, frequency_length)
-            self.rotary.frequency_length = frequency_length
+            written = InputLog((inputs,), positions, mask, frequency_length)
+            self._start(_Call(kwargs, cache, written, new_tokens, False, frequency_length))
             return None
 
-        self._sync_with_cache(log, cache)
         length = max(log.length, needed)
         if length <= self._covered(log.effective_length):
             # The sequence still fits the frequencies the cache was filled with: keep them.
-            self._call = _Call(cache, inputs, positions, mask, new_tokens, False, log.effective_length)
-            self.rotary.frequency_length = log.effective_length
+            written = log.extended(inputs, positions, mask, log.effective_length)
+            self._start(_Call(kwargs, cache, written, new_tokens, False, log.effective_length))
             return None
 
         # The frequencies change: recompute the cached states of the whole sequence with them.
-        all_inputs = self._join_inputs(log, inputs, is_embeddings=arguments.get("input_ids") is None)
-        all_positions = _broadcast_cat(log.positions, positions)
-        all_mask = _broadcast_cat(log.mask, mask)
         frequency_length = self._frequency_length(length)
+        written = log.extended(inputs, positions, mask, frequency_length)
+        all_inputs = self._joined(written.segments)
         logger.debug(
             "RoPE frequencies change at length %d (to those of %s tokens): recomputing the states of %d cached tokens.",
             length,
             frequency_length,
-            all_positions.shape[-1] - new_tokens,
+            log.width,
         )
         self.recomputations += 1
         if self.planned_length is None and self.rotary.steps_per_doubling is None and not self._warned_unplanned:
@@ -218,71 +202,67 @@ class CacheGuard:
                 "Decode loops outside `generate` should announce their final length with "
                 "`hf_rope_ext.planned_length(model, n)`, or patch with steps_per_doubling=1.",
                 self._covered(log.effective_length),
-                all_positions.shape[-1] - new_tokens,
+                log.width,
             )
-        self.rotary.frequency_length = frequency_length
         cache.reset()
+        self.logs.discard(cache)  # recorded again once the forward has refilled the cache
         is_embeddings = all_inputs.dim() == 3
         arguments["input_ids"] = None if is_embeddings else all_inputs
         arguments["inputs_embeds"] = all_inputs if is_embeddings else None
-        arguments["position_ids"] = all_positions
+        arguments["position_ids"] = written.positions
         # A 2-D padding mask; transformers builds the 4-D mask that fits the cache and attention kernel.
-        arguments["attention_mask"] = all_mask if bool((all_mask == 0).any()) else None
+        arguments["attention_mask"] = written.mask if bool((written.mask == 0).any()) else None
         arguments["past_key_values"] = cache
-        setattr(cache, LOG_ATTRIBUTE, None)
-        self._call = _Call(cache, all_inputs, all_positions, all_mask, new_tokens, True, frequency_length)
+        self._start(_Call(arguments, cache, written, new_tokens, True, frequency_length))
         return (), arguments
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        call, self._call = self._call, None
-        self.rotary.frequency_length = None
-        if call is None:
+        # Nested forwards end first, so this forward's call is the innermost. After an error
+        # (output None) the post-hook also runs when the pre-hook did not get to push a call:
+        # then only its own kwargs identify one.
+        if not self._calls or (output is None and self._calls[-1].kwargs is not kwargs):
+            return None
+        call = self._calls.pop()
+        self.rotary.frequency_length = self._calls[-1].frequency_length if self._calls else None
+        if output is None or call.log is None:
+            # Nothing was written, or the forward failed: the cache keeps the log it had, which
+            # a recomputation has already dropped with the cache's states.
             return None
         cache = call.cache if compat.is_cache(call.cache) else getattr(output, "past_key_values", None)
         if compat.is_cache(cache):
-            self._record(cache, call)
+            self.logs.set(cache, call.log)
         if call.recomputed:
             return self._keep_last(output, call.new_tokens)
         return None
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _log_of(self, cache: Any) -> InputLog | None:
-        log = getattr(cache, LOG_ATTRIBUTE, None)
-        return log if log is not None and log.owner == id(self) else None
-
-    def _record(self, cache: Any, call: _Call) -> None:
-        log = self._log_of(cache)
-        if log is None or call.recomputed:
-            inputs, positions, mask = call.inputs, call.positions, call.mask
-        else:
-            inputs = self._join_inputs(log, call.inputs, is_embeddings=call.inputs.dim() == 3)
-            positions = _broadcast_cat(log.positions, call.positions)
-            mask = _broadcast_cat(log.mask, call.mask)
-        setattr(cache, LOG_ATTRIBUTE, InputLog(id(self), inputs, positions, mask, call.frequency_length))
-        _track_batch_changes(cache)
-
-    def _join_inputs(self, log: InputLog, inputs: torch.Tensor, is_embeddings: bool) -> torch.Tensor:
-        old = log.inputs
-        if old.dim() == 3 and not is_embeddings:  # ids after embeddings: embed the new ids too
-            inputs = self.caller.get_input_embeddings()(inputs)
-        elif old.dim() == 2 and is_embeddings:
-            old = self.caller.get_input_embeddings()(old.to(inputs.device))
-        return _broadcast_cat(old, inputs)
-
-    @staticmethod
-    def _sync_with_cache(log: InputLog, cache: Any) -> None:
-        written = log.inputs.shape[1]
+    def _synced_log(self, cache: Any) -> InputLog | None:
+        """The log of ``cache``, cut to the tokens it still holds (None: no log, or emptied)."""
+        log = self.logs.get(cache)
+        if log is None:
+            return None
         cached = cache.get_seq_length()
-        if cached < written:  # `cache.crop(...)` removed tokens from the end (assisted decoding)
-            log.inputs = log.inputs[:, :cached]
-            log.positions = log.positions[:, :cached]
-            log.mask = log.mask[:, :cached]
-        elif cached > written:
+        if cached < log.width:  # `cache.crop(...)` removed tokens from the end (assisted decoding), or `reset`
+            if cached == 0:
+                self.logs.discard(cache)
+                return None
+            log = log.cropped(cached)
+            self.logs.set(cache, log)
+        elif cached > log.width:
             raise RuntimeError(
-                f"The KV cache holds {cached} tokens but only {written} were written through the patched model; "
+                f"The KV cache holds {cached} tokens but only {log.width} were written through the patched model; "
                 "it was modified outside the model. Start from a fresh cache."
             )
+        return log
+
+    def _joined(self, segments: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The whole logged input in one tensor: ids, or embeddings where any run is embeddings."""
+        if any(segment.dim() == 3 for segment in segments):
+            device = next(segment.device for segment in segments if segment.dim() == 3)
+            embed = self.caller.get_input_embeddings()
+            segments = tuple(embed(segment.to(device)) if segment.dim() == 2 else segment for segment in segments)
+        return torch.cat([segment.to(segments[0].device) for segment in segments], dim=1)
 
     @staticmethod
     def _keep_last(output: Any, new_tokens: int) -> Any:
@@ -318,53 +298,13 @@ def _padding_of_new_tokens(mask: Any, past: int, new_tokens: int, device: torch.
     raise ValueError(f"Unsupported attention_mask of shape {tuple(mask.shape)}; pass a 2-D (batch, seq) mask.")
 
 
-def _track_batch_changes(cache: Any) -> None:
-    """Make the cache's batch operations (beam search, contrastive search) apply to its log too.
-
-    Sets instance attributes on this cache object only; the cache class is untouched.
-    """
-    if getattr(cache, "_hf_rope_ext_tracked", False):
-        return
-
-    def follow(operation: str, apply_to_rows):
-        original = getattr(cache, operation)
-
-        def wrapped(*args, **kwargs):
-            result = original(*args, **kwargs)
-            log = getattr(cache, LOG_ATTRIBUTE, None)
-            if log is not None:
-                log.inputs = apply_to_rows(log.inputs, *args, **kwargs)
-                # a batch of 1 broadcasts over any batch
-                if log.positions.shape[0] > 1:
-                    log.positions = apply_to_rows(log.positions, *args, **kwargs)
-                if log.mask.shape[0] > 1:
-                    log.mask = apply_to_rows(log.mask, *args, **kwargs)
-            return result
-
-        setattr(cache, operation, wrapped)
-
-    def reorder(tensor, beam_idx):
-        return tensor.index_select(0, beam_idx.to(tensor.device))
-
-    def repeat(tensor, repeats):
-        return tensor.repeat_interleave(repeats, dim=0)
-
-    def select(tensor, indices):
-        return tensor[indices.to(tensor.device) if isinstance(indices, torch.Tensor) else indices]
-
-    follow("reorder_cache", reorder)
-    follow("batch_repeat_interleave", repeat)
-    follow("batch_select_indices", select)
-    cache._hf_rope_ext_tracked = True
-
-
 # -- the planned length of generate -----------------------------------------------------------
 
 # What `generate` was on the instance before wrapping (None: the class's own).
 _WRAPPED_ATTRIBUTE = "_hf_rope_ext_generate_before"
 
 
-def _guards_in(model: nn.Module) -> list[CacheGuard]:
+def _recomputes_in(model: nn.Module) -> list[PrefixRecompute]:
     return [
         module.cache_guard
         for module in model.modules()
@@ -373,13 +313,13 @@ def _guards_in(model: nn.Module) -> list[CacheGuard]:
 
 
 def _generate_with_plan(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``generate`` that first announces its planned length to the model's cache guards."""
+    """``generate`` that first announces its planned length to the model's prefix recomputes."""
     before = self.__dict__.get(_WRAPPED_ATTRIBUTE)
     generate = type(self).generate.__get__(self) if before is None else before
     plan = compat.planned_generation_length(self, args, kwargs)
     with contextlib.ExitStack() as stack:
-        for guard in _guards_in(self):
-            stack.enter_context(guard.planning(plan))
+        for recompute in _recomputes_in(self):
+            stack.enter_context(recompute.planning(plan))
         return generate(*args, **kwargs)
 
 
@@ -424,6 +364,6 @@ def planned_length(model: nn.Module, length: int) -> Iterator[nn.Module]:
     if not any(isinstance(module, ExtendedRotaryEmbedding) for module in model.modules()):
         raise ValueError(f"{type(model).__name__} is not patched by hf_rope_ext; planned_length applies to patched models.")
     with contextlib.ExitStack() as stack:
-        for guard in _guards_in(model):
-            stack.enter_context(guard.planning(length))
+        for recompute in _recomputes_in(model):
+            stack.enter_context(recompute.planning(length))
         yield model

@@ -22,7 +22,7 @@ from torch import nn
 from . import compat, config_io
 from .families import family_info, tested_families
 from .methods import LOGN_SUFFIX, default_inv_freq, get_method, resolve_params
-from .cache_consistency import CacheGuard
+from .cache_consistency import PrefixRecompute
 from .rotary import ExtendedRotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -372,7 +372,7 @@ def patch_model(
 
     caller, attribute = _caller_and_attribute(model, module_name)
     try:
-        rotary.cache_guard = CacheGuard(caller, rotary, model) if rope_method.length_dependent else None
+        rotary.cache_guard = PrefixRecompute(caller, rotary, model) if rope_method.length_dependent else None
         if remap is not None or logn_attention:
             from . import attention as attention_level
 
