@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -428,3 +430,227 @@ def test_generate_without_a_length_keeps_an_enclosing_plan():
     torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
     with torch.no_grad():  # and the plan matters here: inside L0 on their own, these are the original frequencies
         assert not torch.allclose(model(out.sequences[:, :-1]).logits[:, L0 - 13 :], full, atol=1e-3)
+
+
+# -- the cache operations the prefix recompute follows -----------------------------------------
+#
+# Without a plan and with steps_per_doubling=None, a call that continues a cache past the
+# length its frequencies were chosen for re-runs the logged prefix with those of its own end,
+# so its logits are those of a plain full forward over everything up to that end.
+
+
+def _recompute(model):
+    return model.model.rotary_emb.cache_guard
+
+
+def _continue(model, cache, sequence, start, mask=None):
+    """Logits of ``sequence[:, start:]`` run on ``cache`` (which holds ``sequence[:, :start]``)."""
+    kwargs = {}
+    if mask is not None:
+        kwargs = dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, start:])
+    return model(sequence[:, start:], past_key_values=cache, use_cache=True, **kwargs).logits
+
+
+def _full(model, sequence, start, mask=None, plan=None):
+    """Logits of ``sequence[:, start:]`` from one forward over the whole sequence."""
+    kwargs = {} if mask is None else dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    with planned_length(model, plan) if plan else contextlib.nullcontext():
+        return model(sequence, **kwargs).logits[:, start:]
+
+
+@pytest.mark.parametrize("new_tokens, recomputed", [(2, 0), (20, 1)])
+def test_crop_then_continue_matches_full_forward(new_tokens, recomputed):
+    """``cache.crop(-k)`` (assisted decoding) drops tokens; others take their place. Within the
+    frequencies the cache was filled with they stay; past them the recomputed prefix is the cropped one."""
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic")
+    ids, other = random_ids(L0 + 10, seed=5), random_ids(new_tokens, seed=6)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)  # the frequencies of L0 + 10
+        cache.crop(-6)
+        assert cache.get_seq_length() == L0 + 4
+        sequence = torch.cat([ids[:, : L0 + 4], other], 1)
+        chunk = _continue(model, cache, sequence, L0 + 4)
+        reference = _full(model, sequence, L0 + 4, plan=None if recomputed else L0 + 10)
+    assert recomputations(model) == recomputed
+    torch.testing.assert_close(chunk, reference, rtol=0, atol=TOLERANCE)
+
+
+def test_assisted_generation_crops_the_cache_and_matches_full_forwards():
+    # The main model verifies several drafted tokens per call and crops the rejected ones. Only
+    # planned: without a plan the drafts, not the kept tokens, decide when the frequencies change.
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    assistant = make_model("llama", seed=7)
+    worst = generation_vs_full_forward(model, random_ids(L0 - 6), new_tokens=2 * L0, assistant_model=assistant)
+    assert worst < TOLERANCE
+
+
+BATCH_OPERATIONS = [
+    ("batch_select_indices", lambda: torch.tensor([2, 0]), [2, 0]),
+    ("batch_repeat_interleave", lambda: 2, [0, 0, 1, 1, 2, 2]),
+    ("reorder_cache", lambda: torch.tensor([1, 1, 0]), [1, 1, 0]),
+]
+
+
+@pytest.mark.parametrize("past_the_frequencies", [False, True])
+@pytest.mark.parametrize("operation, argument, rows", BATCH_OPERATIONS, ids=[op[0] for op in BATCH_OPERATIONS])
+def test_batch_operation_then_continue_matches_full_forward(operation, argument, rows, past_the_frequencies):
+    """After a batch operation on the cache, its rows continue as their own sequences; past the
+    frequencies the cache was filled with, the recomputed prefix follows the moved rows (padding included)."""
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    prefill = L0 - 6
+    ids = random_ids(prefill, batch=3, seed=8)
+    mask = torch.ones(3, prefill, dtype=torch.long)
+    mask[0, :5] = 0  # left padding: rows differ in positions and padding
+    ids = ids.masked_fill(mask == 0, 0)
+    new_tokens = 12 if past_the_frequencies else 4
+    sequence = torch.cat([ids[rows], random_ids(new_tokens, batch=len(rows), seed=9)], 1)
+    full_mask = torch.cat([mask[rows], torch.ones(len(rows), new_tokens, dtype=torch.long)], 1)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache,
+              use_cache=True)
+        getattr(cache, operation)(argument())
+        chunk = _continue(model, cache, sequence, prefill, full_mask)
+        # Row 0 is shorter: the frequencies follow the longest row, as in one forward over the batch.
+        reference = _full(model, sequence, prefill, full_mask)
+    assert recomputations(model) == int(past_the_frequencies)
+    torch.testing.assert_close(chunk, reference, rtol=0, atol=TOLERANCE)
+
+
+def test_mixed_input_ids_and_inputs_embeds_match_full_forward_and_keep_ids():
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic")
+    ids = random_ids(3 * L0)
+    embeddings = model.get_input_embeddings()(ids).detach()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        for start, end, kind in [(0, 20, "embeds"), (20, 30, "ids"), (30, L0 + 5, "embeds"), (L0 + 5, L0 + 6, "ids"),
+                                 (L0 + 6, 2 * L0, "ids"), (2 * L0, 3 * L0, "embeds")]:
+            inputs = dict(inputs_embeds=embeddings[:, start:end]) if kind == "embeds" else dict(input_ids=ids[:, start:end])
+            chunk = model(**inputs, past_key_values=cache, use_cache=True).logits
+            torch.testing.assert_close(chunk, model(ids[:, :end]).logits[:, start:end], rtol=0, atol=TOLERANCE)
+    assert recomputations(model) == 4  # every chunk past L0
+    # The log keeps ids where ids were given: one run per change of kind.
+    assert [segment.dim() for segment in _recompute(model).logs.get(cache).segments] == [3, 2, 3, 2, 3]
+
+
+@pytest.mark.parametrize("planned", [True, False])
+def test_generate_from_inputs_embeds_matches_full_forwards(planned):
+    # The prefill passes embeddings, the decoding steps ids: recomputations join both.
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn", steps_per_doubling=None if planned else 1)
+    prompt = random_ids(L0 - 6)
+    new_tokens = 2 * L0
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings()(prompt)
+    generate = model.generate if planned else (lambda **k: unplanned_generate(model, **k))
+    out = generate(inputs_embeds=embeddings, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                   pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    sequence = torch.cat([prompt, out.sequences], 1)
+    assert out.sequences.shape[1] == new_tokens
+    with torch.no_grad(), planned_length(model, prompt.shape[1] + new_tokens) if planned else contextlib.nullcontext():
+        for step, step_logits in enumerate(out.logits):
+            full = model(sequence[:, : prompt.shape[1] + step]).logits[:, -1]
+            torch.testing.assert_close(step_logits, full, rtol=0, atol=TOLERANCE)
+    assert recomputations(model) == (0 if planned else 2)
+    assert [segment.dim() for segment in _recompute(model).logs.get(out.past_key_values).segments] == [3, 2]
+
+
+def test_a_copied_cache_continues_on_its_own():
+    """``copy.deepcopy(cache)`` (reusing a prefilled prompt): the copy gets the log; a batch
+    operation on the copy leaves the original and its log alone."""
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic")
+    prefill = L0 - 4
+    ids = random_ids(L0 + 8, batch=2, seed=10)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :prefill], past_key_values=cache, use_cache=True)
+        duplicate = copy.deepcopy(cache)
+        duplicate.batch_select_indices(torch.tensor([1]))
+        other = torch.cat([ids[1:, :prefill], random_ids(12, seed=11)], 1)
+        torch.testing.assert_close(_continue(model, duplicate, other, prefill), _full(model, other, prefill),
+                                   rtol=0, atol=TOLERANCE)
+        torch.testing.assert_close(_continue(model, cache, ids, prefill), _full(model, ids, prefill),
+                                   rtol=0, atol=TOLERANCE)
+    assert recomputations(model) == 2
+
+
+def test_logs_are_held_by_the_hooks_and_freed_with_the_cache():
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic")
+    logs = _recompute(model).logs
+    ids = random_ids(L0 + 3)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids, past_key_values=cache, use_cache=True)
+        assert cache in logs and not any(name.startswith("_hf_rope_ext") for name in vars(cache))
+        del cache
+        assert len(logs) == 0
+        out = model(ids)  # a cache the model makes, freed with its output
+        assert len(logs) == 1
+        del out
+        assert len(logs) == 0
+        kept = DynamicCache(config=model.config)
+        model(ids, past_key_values=kept, use_cache=True)
+    # A kept cache does not keep the model alive.
+    alive = weakref.ref(model)
+    del model, logs
+    gc.collect()
+    assert alive() is None
+    kept.reorder_cache(torch.tensor([0]))  # its operations still work without the hooks
+
+
+def test_a_forward_inside_a_forward_ends_with_its_own_call():
+    """A hook that runs the model inside the model's forward: each forward keeps its own
+    frequencies, cut and log (the outer one recomputes its cache)."""
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic")
+    ids, inner_ids = random_ids(L0 + 6, seed=12), random_ids(L0 + 9, seed=13)
+    inner = []
+
+    def nested(module, args):
+        if not inner:
+            inner.append(None)  # the nested forward runs this hook too
+            inner[0] = model(inner_ids).logits
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, : L0 - 4], past_key_values=cache, use_cache=True)
+        hook = model.model.layers[0].register_forward_pre_hook(nested)
+        try:
+            outer = _continue(model, cache, ids, L0 - 4)
+        finally:
+            hook.remove()
+        assert model.model.rotary_emb.frequency_length is None
+        torch.testing.assert_close(outer, _full(model, ids, L0 - 4), rtol=0, atol=TOLERANCE)
+        torch.testing.assert_close(inner[0], model(inner_ids).logits, rtol=0, atol=TOLERANCE)
+        # and the outer cache was recorded: it continues exactly
+        more = torch.cat([ids, random_ids(3, seed=14)], 1)
+        torch.testing.assert_close(_continue(model, cache, more, L0 + 6), _full(model, more, L0 + 6),
+                                   rtol=0, atol=TOLERANCE)
+
+
+def test_a_failed_forward_leaves_the_cache_and_the_hooks_usable():
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic")
+    ids = random_ids(L0 + 2)
+    cache = DynamicCache(config=model.config)
+
+    def fail(module, args):
+        raise KeyError("boom")
+
+    with torch.no_grad():
+        model(ids[:, :20], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="attention_mask"):  # raised by the pre-hook itself
+            model(ids[:, 20:22], past_key_values=cache, use_cache=True, attention_mask=torch.ones(1, 1, 1))
+        hook = model.model.layers[0].register_forward_pre_hook(fail)
+        with pytest.raises(KeyError):  # raised inside the forward, before anything is written
+            model(ids[:, 20:22], past_key_values=cache, use_cache=True)
+        hook.remove()
+        assert model.model.rotary_emb.frequency_length is None
+        torch.testing.assert_close(_continue(model, cache, ids, 20), _full(model, ids, 20), rtol=0, atol=TOLERANCE)
