@@ -12,13 +12,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .files import give_umask_permissions, staging_dir
+from .files import atomic_directory
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +53,8 @@ def smollm2_gguf_folder() -> Path:
 def smollm2_checkpoint() -> Path:
     """A safetensors checkpoint of SmolLM2-135M-Instruct, converted from the GGUF file once.
 
-    Written to a temporary folder and renamed into place, so an interrupted conversion never
-    leaves a half-written checkpoint behind.
+    Written through :func:`hf_rope_ext.files.atomic_directory`, so an interrupted conversion
+    never leaves a half-written checkpoint behind.
     """
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
@@ -72,18 +71,10 @@ def smollm2_checkpoint() -> Path:
     model.hf_quantizer = None
     model.is_quantized = False
     model.config._name_or_path = SMOLLM2_HUB_ID
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_dir(target.parent, ".smollm2-")
-    try:
+    # A folder already at target lacks a file checked above: it is replaced whole.
+    with atomic_directory(target) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        give_umask_permissions(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -22,15 +22,14 @@ import math
 import os
 import re
 import shutil
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from . import config_io
 from .config_io import RecordedPatch
-from .evaluation.report import method_label
-from .evaluation.runner import recorded_steps
+from .evaluation.records import RESULTS_FILE, read_records, recorded_steps
+from .evaluation.summary import format_accuracy, format_ppl, format_scale, format_tokens, method_label, retrieval_rows
 from .files import atomic_path, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -38,7 +37,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["load_eval_results", "load_training_summary", "render_model_card", "write_model_card"]
 
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent / "templates" / "model_card.md"
-RESULTS_FILE = "results.jsonl"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MISSING = "—"
 
@@ -51,8 +49,9 @@ _MISSING = "—"
 def load_eval_results(eval_dir: str | os.PathLike) -> tuple[list[dict[str, Any]], list[Path]]:
     """``(records, plots)`` from an evaluation folder: ``results.jsonl`` and its ``*.png`` files.
 
-    Blank lines are skipped; a line that is not a JSON object raises ``ValueError`` naming
-    the file and line.
+    Read as the evaluation reads it (:func:`hf_rope_ext.evaluation.records.read_records`): a last
+    line cut off by an interrupted run is skipped with a warning; any other line that is not a
+    JSON object raises ``ValueError`` naming the file and line.
     """
     folder = Path(eval_dir)
     path = folder / RESULTS_FILE
@@ -60,18 +59,7 @@ def load_eval_results(eval_dir: str | os.PathLike) -> tuple[list[dict[str, Any]]
         raise FileNotFoundError(
             f"No {RESULTS_FILE} in {folder}; point --eval-dir at the evaluation tool's output folder."
         )
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number} is not valid JSON ({error.msg}).") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number} holds {type(record).__name__}, expected one JSON object per line.")
-        records.append(record)
-    return records, sorted(folder.glob("*.png"))
+    return read_records(path), sorted(folder.glob("*.png"))
 
 
 def load_training_summary(path: str | os.PathLike) -> dict[str, Any]:
@@ -103,19 +91,6 @@ def _number(value: Any, digits: int = 2) -> str:
             return str(value)
         return f"{value:.{digits}f}"
     return str(value)
-
-
-def _scale(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else _number(value)
-
-
-def _tokens(value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return _number(value)
-    value = float(value)
-    if value >= 1024 and value % 1024 == 0:
-        return f"{int(value) // 1024}k"
-    return f"{value:g}"
 
 
 def _value(value: Any) -> str:
@@ -159,7 +134,7 @@ def _perplexity_tables(records: list[dict[str, Any]]) -> tuple[list[dict], list[
             continue
         common = {
             "method": _method_of(record),
-            "scale": _scale(record.get("scale")),
+            "scale": format_scale(record.get("scale"), _MISSING),
             "document": record.get("document", _MISSING),
             "context": _number(record.get("context_length")),
         }
@@ -168,7 +143,7 @@ def _perplexity_tables(records: list[dict[str, Any]]) -> tuple[list[dict], list[
                 **common,
                 "mode": record.get("mode", _MISSING),
                 "stride": _number(record.get("stride")),
-                "ppl": _number(record["ppl"]),
+                "ppl": format_ppl(record["ppl"], _MISSING),
                 "_sort": (str(common["method"]), float(record.get("scale") or 0), record.get("context_length") or 0),
             })
         buckets = {}
@@ -183,48 +158,30 @@ def _perplexity_tables(records: list[dict[str, Any]]) -> tuple[list[dict], list[
                                           record.get("context_length") or 0)})
     header_ranges = sorted(bucket_ranges)
     for row in bucket_rows:
-        row["cells"] = [_number(row["_buckets"].get(span)) for span in header_ranges]
-    header = [f"{_tokens(start)}-{_tokens(end)}" for start, end in header_ranges]
+        row["cells"] = [format_ppl(row["_buckets"].get(span), _MISSING) for span in header_ranges]
+    header = [f"{format_tokens(start)}-{format_tokens(end)}" for start, end in header_ranges]
     rows.sort(key=lambda row: row["_sort"])
     bucket_rows.sort(key=lambda row: row["_sort"])
     return rows, header, bucket_rows
 
 
 def _retrieval_table(records: list[dict[str, Any]]) -> list[dict]:
-    groups: dict[tuple, dict[str, Any]] = defaultdict(
-        lambda: {"correct": 0, "trials": 0, "depths": set(), "accuracy": []}
-    )
-    for record in records:
-        if record.get("kind") != "retrieval":
-            continue
-        method = _method_of(record)
-        key = (record.get("task", _MISSING), method, record.get("scale"), record.get("length"))
-        group = groups[key]
-        if isinstance(record.get("correct"), int) and isinstance(record.get("trials"), int):
-            group["correct"] += record["correct"]
-            group["trials"] += record["trials"]
-        elif record.get("accuracy") is not None:
-            group["accuracy"].append(float(record["accuracy"]))
-        if record.get("depth") is not None:
-            group["depths"].add(record["depth"])
+    """The evaluation summary's retrieval rows (trials pooled over depths), formatted for the card."""
     rows = []
-    for (task, method, scale, length), group in groups.items():
-        if group["trials"]:
-            accuracy = group["correct"] / group["trials"]
-            correct = f"{group['correct']}/{group['trials']}"
-        elif group["accuracy"]:
-            accuracy, correct = sum(group["accuracy"]) / len(group["accuracy"]), _MISSING
-        else:
+    for row in retrieval_rows(records):
+        if math.isnan(row["accuracy"]):
             continue
+        method = _method_of(row)
         rows.append({
-            "task": task,
+            "task": row["task"] if row["task"] is not None else _MISSING,
             "method": method,
-            "scale": _scale(scale),
-            "length": _number(length),
-            "depths": ", ".join(f"{depth:g}" for depth in sorted(group["depths"])) or _MISSING,
-            "correct": correct,
-            "accuracy": f"{accuracy:.0%}",
-            "_sort": (str(task), method, float(scale or 0), length or 0),
+            "scale": format_scale(row["scale"], _MISSING),
+            "length": _number(row["length"]),
+            "depths": ", ".join(row["by_depth"]) or _MISSING,
+            "correct": f"{row['correct']}/{row['trials']}" if row["trials"] else _MISSING,
+            "accuracy": format_accuracy(row["accuracy"]),
+            "_accuracy": row["accuracy"],
+            "_sort": (str(row["task"]), method, float(row["scale"] or 0), row["length"] or 0),
         })
     rows.sort(key=lambda row: row["_sort"])
     return rows
@@ -256,7 +213,7 @@ def _eval_results(records: list[dict[str, Any]], patch: RecordedPatch):
             dataset_type=str(row["task"]),
             dataset_name=f"{row['task']} retrieval",
             metric_type="accuracy",
-            metric_value=float(row["accuracy"].rstrip("%")) / 100,
+            metric_value=round(row["_accuracy"], 4),
             metric_name=f"{row['task']} accuracy ({row['length']} tokens)",
         ))
     return results

@@ -367,6 +367,52 @@ def test_truncated_last_line_is_dropped_and_recomputed(tmp_path):
     assert all(json.loads(line) for line in results.read_text().splitlines())
 
 
+def test_cut_off_results_file_reads_the_same_for_the_evaluation_and_the_model_card(tmp_path, caplog):
+    """What Ctrl-C leaves in results.jsonl: the card skips the cut line with a warning naming it, and
+    sees the records the evaluation resumes from."""
+    pytest.importorskip("huggingface_hub")
+    pytest.importorskip("jinja2")
+    from hf_rope_ext.hub import save_patched
+    from hf_rope_ext.model_card import load_eval_results
+
+    model = make_model("llama")
+    patch_model(model, 2.0, "yarn")
+    checkpoint = save_patched(model, tmp_path / "checkpoint")
+    unpatch_model(model)
+    documents = {"doc": random_ids(80)[0]}
+    plan = _plan(methods=["none", "yarn"], scales=[2.0], ppl_lengths=[24, 64], reuse_identical=False)
+    output = tmp_path / "eval"
+    run_evaluation(model, CharTokenizer(), plan, output, documents=documents, progress=False, write_report=False)
+    results = output / "results.jsonl"
+    lines = results.read_text().splitlines()
+    assert len(lines) == 4
+    results.write_text("\n".join(lines[:3]) + "\n" + lines[3][: len(lines[3]) // 2])  # a write cut short
+    complete = [json.loads(line) for line in lines[:3]]
+
+    with caplog.at_level(logging.WARNING):
+        assert cli_main(["card", "--model-dir", str(checkpoint), "--base-model", "org/tiny-base", "--eval-dir",
+                         str(output), "--output", str(tmp_path / "README.md")]) == 0  # fmt: skip
+    assert f"{results}:4 is incomplete" in caplog.text
+    assert f"| yarn | 2 | doc | buckets | 24 | — | {complete[2]['ppl']:.2f} |" in (tmp_path / "README.md").read_text()
+    assert results.read_text().splitlines()[3] == lines[3][: len(lines[3]) // 2]  # the card only reads
+    card_records, _ = load_eval_results(output)
+    assert card_records == complete == read_results(output)
+
+    counter = CallCounter(model)
+    resumed = run_evaluation(model, CharTokenizer(), plan, output, documents=documents, progress=False)
+    assert counter.calls == 1 and resumed[:3] == complete  # only the cut case runs again
+    assert resumed[3]["ppl"] == pytest.approx(json.loads(lines[3])["ppl"], rel=1e-9)
+
+
+def test_a_bad_line_that_is_not_the_cut_off_end_is_refused(tmp_path):
+    results = tmp_path / "results.jsonl"
+    record = json.dumps({"kind": "perplexity", "method": "none"})
+    for text, line in ((f"{record}\n{{not json\n{record}\n", 2), (f"{record}\n{{not json\n", 2), ("[1, 2]\n", 1)):
+        results.write_text(text)
+        with pytest.raises(EvaluationError, match=f"results.jsonl:{line} "):
+            read_results(tmp_path)
+
+
 def test_results_file_without_final_newline_is_appended_on_a_fresh_line(tmp_path):
     model = make_model("llama")
     documents = {"doc": random_ids(80)[0]}
@@ -581,11 +627,15 @@ def test_reports_pool_documents_and_write_every_file(tmp_path):
     assert (passkey["trials"], passkey["correct"], passkey["by_depth"]) == (4, 1, {"0.1": 0.5, "0.9": 0.0})
 
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
-    assert len(rows) == 6 and rows[0]["method"] == "none" and float(rows[2]["ppl"]) == pytest.approx(records[2]["ppl"])
+    # yarn x2 on document a, from its buckets: 3 tokens in [0, 4), 4 in each other bucket.
+    yarn_a = math.exp((3 * math.log(11.0) + 4 * (math.log(8.5) + math.log(9.0) + math.log(9.5))) / 15)
+    assert len(rows) == 6 and rows[0]["method"] == "none" and float(rows[2]["ppl"]) == pytest.approx(yarn_a)
     markdown = (tmp_path / "results.md").read_text()
-    assert f"| none | {expected:.2f} |" in markdown
-    assert "| yarn x2 |" in markdown and "| none | 25% (1/4) |" in markdown
-    assert f"{beyond:.2f}" in markdown
+    yarn = [(11, 3), (8.5, 4), (9, 4), (9.5, 4), (13, 3), (6.5, 4), (7, 4), (7.5, 4)]
+    yarn_pooled = math.exp(sum(math.log(p) * n for p, n in yarn) / sum(n for _, n in yarn))
+    assert f"| none | {expected:.2f} |" in markdown and f"| yarn x2 | {yarn_pooled:.2f} |" in markdown
+    assert "| none | 25% (1/4) |" in markdown
+    assert f"| none | {beyond:.2f} |" in markdown  # the table of positions beyond the native context
 
 
 # ----------------------------------------------------------------------------------------------
@@ -668,6 +718,7 @@ def test_eval_and_demo_commands_end_to_end(tiny_checkpoint, tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_real_model_loss_beyond_native_context_unpatched_vs_patched():
     """SmolLM2 (native context 8192) on 2048 tokens of a novel: the first 1024 tokens at positions
     0..1023, the next 1024 at positions 15360..16383, the end of a 16k context (as PoSE lays out
@@ -713,7 +764,7 @@ def test_real_model_loss_beyond_native_context_unpatched_vs_patched():
 
 
 def test_steps_per_doubling_on_the_command_line():
-    from hf_rope_ext.evaluation.runner import parse_steps_per_doubling
+    from hf_rope_ext.evaluation.records import parse_steps_per_doubling
 
     assert parse_steps_per_doubling("exact") is None and parse_steps_per_doubling("4") == 4
     for bad in ("0", "-2", "two", "1.5"):

@@ -18,7 +18,8 @@ import torch
 
 from ..cli import one_line
 from ..patching import DEFAULT_METHOD, DEFAULT_STEPS_PER_DOUBLING
-from .runner import EvalPlan, EvaluationError, parse_steps_per_doubling
+from .plan import EvalPlan
+from .records import EvaluationError, parse_steps_per_doubling
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ def _load(args: argparse.Namespace):
 
 
 def _documents(args: argparse.Namespace, tokenizer, min_tokens: int) -> dict[str, torch.Tensor]:
-    from .runner import documents_from_dataset, documents_from_files
+    from .documents import documents_from_dataset, documents_from_files
 
     documents = documents_from_files(tokenizer, args.text_file)
     if args.dataset:
@@ -227,7 +228,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
 def _run_eval(args: argparse.Namespace) -> int:
     from .report import write_reports
-    from .runner import check_documents, run_evaluation
+    from .documents import check_documents
+    from .runner import run_evaluation
 
     if args.report_only:
         if not (args.output_dir / "results.jsonl").is_file():
@@ -266,7 +268,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     import time
 
     from .demo import demo_plan, demo_settings, demo_table
-    from .runner import check_documents, run_evaluation
+    from .documents import check_documents
+    from .runner import run_evaluation
 
     _check_environment(args)
     if not (args.text_file or args.dataset):

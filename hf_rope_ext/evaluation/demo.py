@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..patching import DEFAULT_METHOD
-from .report import bucket_token_count, pool_log_ppl, record_state, state_label
-from .runner import NONE_METHOD, EvalPlan, EvaluationError, recorded_steps
+from .plan import EvalPlan
+from .records import NONE_METHOD, EvaluationError, recorded_steps
+from .summary import bucket_token_count, format_ppl, pool_log_ppl, record_state, state_label
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def demo_table(records: Sequence[Mapping[str, Any]], settings: DemoSettings, nat
             mine = [r for r in by_state[state]
                     if r["kind"] == "perplexity" and r["context_length"] == settings.ppl_length]  # fmt: skip
             value = _range_ppl(mine, start, end)
-            cells.append("" if value is None else f"{value:.2f}")
+            cells.append(format_ppl(value))
         rows.append([f"perplexity of tokens {start}-{end} (one forward of {settings.ppl_length})"] + cells)
     depths = ", ".join(f"{depth:g}" for depth in settings.depths)
     for length in settings.passkey_lengths:

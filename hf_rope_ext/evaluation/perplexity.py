@@ -29,7 +29,6 @@ run on ``chunk_size`` positions at a time, so a 100k-token input never holds a
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+
+from .summary import safe_exp
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,6 @@ __all__ = [
     "sliding_window_perplexity",
     "token_losses",
 ]
-
-
-def safe_exp(nll: float) -> float:
-    """``exp(nll)``, or infinity where it would overflow (a broken model's perplexity)."""
-    return math.exp(nll) if nll < 709 else float("inf")
 
 
 @dataclass

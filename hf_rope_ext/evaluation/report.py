@@ -1,19 +1,8 @@
 """Reports regenerated from ``results.jsonl``: ``summary.json``, ``results.csv``, ``results.md``, PNG plots.
 
 Every file is written to a temporary name and renamed into place, so a report is never half
-written. Documents are pooled by tokens: the perplexity over several documents is
-``exp(sum of token losses / number of scored tokens)``; retrieval accuracy pools the trials of
-all depths.
-
-``summary.json``::
-
-    {"models": [...], "native_context": 8192,
-     "perplexity": [{"mode", "method", "scale", "steps_per_doubling", "model", "dtype", "context_length", "stride",
-                     "eval_tokens", "bucket_size", "documents": [...], "ppl", "nll", "tokens",
-                     "ranges": [[start, end, ppl], ...]  # buckets pooled to 0, L0/4, L0/2, L0, 2 L0, ...
-                     "beyond_native_ppl": ppl of positions [L0, L) or null}, ...],
-     "retrieval": [{"task", "method", "scale", "steps_per_doubling", "model", "dtype", "length", "trials", "correct",
-                    "accuracy", "by_depth": {"0.1": accuracy, ...}}, ...]}
+written. The numbers are pooled by :func:`hf_rope_ext.evaluation.summary.summarize` (its
+docstring describes ``summary.json``).
 """
 
 from __future__ import annotations
@@ -29,10 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_path, atomic_write_text
-from ..methods import get_method
-from ..patching import DEFAULT_STEPS_PER_DOUBLING
-from .perplexity import safe_exp
-from .runner import EXACT_STEPS, NONE_METHOD, read_results
+from .records import NONE_METHOD, read_results
+from .summary import (
+    format_accuracy,
+    format_ppl,
+    format_scale,
+    format_tokens,
+    method_label,
+    record_state,
+    state_label,
+    summarize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,137 +40,6 @@ CSV_FIELDS = (
     "stride", "eval_tokens", "bucket_size", "ppl", "nll", "tokens", "windows", "trials", "correct", "accuracy",
     "seconds", "reused_from", "buckets",
 )  # fmt: skip
-
-
-def bucket_token_count(start: int, end: int) -> int:
-    # Position 0 is never predicted (see perplexity.py).
-    return max(end - max(start, 1), 0)
-
-
-def pool_log_ppl(pairs: Iterable[tuple[float, int]]) -> float:
-    """exp of the token-weighted mean of log ppl values."""
-    total = count = 0.0
-    for ppl, tokens in pairs:
-        if tokens:
-            total += (math.log(ppl) if ppl > 0 and math.isfinite(ppl) else math.inf) * tokens
-            count += tokens
-    if not count:
-        return float("nan")
-    return math.exp(total / count) if math.isfinite(total) and total / count < 700 else float("inf")
-
-
-def range_edges(native_context: int, context_length: int) -> list[int]:
-    """``0, L0/4, L0/2, L0, 2 L0, 4 L0, ...`` cut at ``context_length``."""
-    edges = [0] + [native_context // 4, native_context // 2] + [native_context * 2**k for k in range(0, 20)]
-    edges = sorted({edge for edge in edges if 0 <= edge < context_length})
-    return edges + [context_length]
-
-
-def pooled_ranges(buckets: Sequence[Sequence[float]], edges: Sequence[int]) -> list[list[float]]:
-    """Buckets ``[start, end, ppl]`` pooled by the range ``[edge_i, edge_i+1)`` holding their start;
-    each pooled range is reported as ``[first bucket start, last bucket end, ppl]``."""
-    groups: dict[int, list[Sequence[float]]] = {}
-    for bucket in buckets:
-        index = max(i for i in range(len(edges) - 1) if edges[i] <= bucket[0])
-        groups.setdefault(index, []).append(bucket)
-    pooled = []
-    for _, group in sorted(groups.items()):
-        ppl = pool_log_ppl((bucket[2], bucket_token_count(bucket[0], bucket[1])) for bucket in group)
-        pooled.append([min(bucket[0] for bucket in group), max(bucket[1] for bucket in group), ppl])
-    return pooled
-
-
-def record_state(record: Mapping[str, Any]) -> tuple[str, float | None, int | str | None]:
-    return record["method"], record.get("scale"), record.get("steps_per_doubling")
-
-
-def method_label(method: str, steps: int | str | None = None) -> str:
-    """The method name, with its frequency steps where they are not the package default."""
-    if steps is None:
-        dynamic = method != NONE_METHOD and _known(method) and get_method(method).length_dependent
-        return f"{method} (steps unrecorded)" if dynamic else method
-    default = EXACT_STEPS if DEFAULT_STEPS_PER_DOUBLING is None else DEFAULT_STEPS_PER_DOUBLING
-    if steps == default:
-        return method
-    return f"{method} (exact length)" if steps == EXACT_STEPS else f"{method} ({steps} steps/doubling)"
-
-
-def _known(method: str) -> bool:
-    try:
-        get_method(method)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def state_label(method: str, scale: float | None, steps: int | str | None = None) -> str:
-    label = method_label(method, steps)
-    return label if scale is None else f"{label} x{scale:g}"
-
-
-def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Pool per-document and per-depth records (see the module docstring)."""
-    perplexity: dict[tuple, dict[str, Any]] = {}
-    retrieval: dict[tuple, dict[str, Any]] = {}
-    natives = {record.get("native_context") for record in records if record.get("native_context")}
-    for record in records:
-        if record["kind"] == "perplexity":
-            key = tuple(record.get(name) for name in ("mode", "method", "scale", "steps_per_doubling", "model", "dtype",
-                                                      "context_length", "stride", "eval_tokens",
-                                                      "bucket_size"))  # fmt: skip
-            entry = perplexity.setdefault(key, {"parts": [], "buckets": {}})
-            entry["parts"].append(record)
-        elif record["kind"] == "retrieval":
-            key = tuple(record.get(name) for name in ("task", "method", "scale", "steps_per_doubling", "model", "dtype",
-                                                      "length", "seed", "needle_count", "max_new_tokens"))  # fmt: skip
-            retrieval.setdefault(key, {"parts": []})["parts"].append(record)
-
-    ppl_rows = []
-    for key, entry in perplexity.items():
-        parts = entry["parts"]
-        mode, method, scale, steps, model, dtype, length, stride, eval_tokens, bucket_size = key
-        tokens = sum(part["tokens"] for part in parts)
-        nll = sum(part["nll"] * part["tokens"] for part in parts) / max(tokens, 1)
-        row = {"mode": mode, "method": method, "scale": scale, "steps_per_doubling": steps, "model": model,
-               "dtype": dtype,
-               "context_length": length, "stride": stride, "eval_tokens": eval_tokens, "bucket_size": bucket_size,
-               "documents": [part.get("document") for part in parts], "ppl": safe_exp(nll),
-               "nll": nll, "tokens": tokens, "ranges": None, "beyond_native_ppl": None}  # fmt: skip
-        native = parts[0].get("native_context")
-        if mode == "buckets" and native:
-            buckets: dict[tuple[int, int], list[tuple[float, int]]] = {}
-            for part in parts:
-                for start, end, ppl in part["buckets"]:
-                    buckets.setdefault((start, end), []).append((ppl, bucket_token_count(start, end)))
-            merged = [[start, end, pool_log_ppl(values)] for (start, end), values in sorted(buckets.items())]
-            row["buckets"] = merged
-            row["ranges"] = pooled_ranges(merged, range_edges(native, length))
-            if length > native:
-                beyond = [(ppl, bucket_token_count(s, e)) for s, e, ppl in merged if s >= native]
-                row["beyond_native_ppl"] = pool_log_ppl(beyond) if beyond else None
-        ppl_rows.append(row)
-
-    retrieval_rows = []
-    for key, entry in retrieval.items():
-        task, method, scale, steps, model, dtype, length, seed, needle_count, max_new_tokens = key
-        parts = entry["parts"]
-        trials = sum(part["trials"] for part in parts)
-        correct = sum(part["correct"] for part in parts)
-        by_depth = {}
-        for part in sorted(parts, key=lambda part: part["depth"]):
-            by_depth[f"{part['depth']:g}"] = part["correct"] / part["trials"]
-        retrieval_rows.append({"task": task, "method": method, "scale": scale, "steps_per_doubling": steps,
-                               "model": model, "dtype": dtype,
-                               "length": length, "seed": seed, "needle_count": needle_count, "trials": trials,
-                               "correct": correct, "accuracy": correct / trials if trials else float("nan"),
-                               "by_depth": by_depth})  # fmt: skip
-    return {
-        "models": sorted({record.get("model") for record in records if record.get("model")}),
-        "native_context": min(natives) if len(natives) == 1 else sorted(natives) or None,
-        "cases": len(records),
-        "perplexity": ppl_rows,
-        "retrieval": retrieval_rows,
-    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,17 +55,7 @@ def _states_in_order(rows: Iterable[Mapping[str, Any]]) -> list[tuple[str, float
     order: dict[str, int] = {}
     for method, _, _ in seen:
         order.setdefault(method, len(order))
-    return sorted(seen, key=lambda state: (state[0] != "none", order[state[0]], str(state[2]), state[1] or 0))
-
-
-def _format_ppl(value: float | None) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
-    return f"{value:.2f}" if value < 1000 else f"{value:.0f}"
-
-
-def _tokens_label(count: int) -> str:
-    return f"{count // 1024}k" if count % 1024 == 0 and count >= 1024 else str(count)
+    return sorted(seen, key=lambda state: (state[0] != NONE_METHOD, order[state[0]], str(state[2]), state[1] or 0))
 
 
 def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
@@ -233,18 +88,18 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
                 stride, eval_tokens = rows[0]["stride"], rows[0]["eval_tokens"]
                 parts.append(f"### Sliding-window perplexity, window L, stride S={stride}, first {eval_tokens} tokens "
                              f"(documents: {', '.join(documents)})\n")  # fmt: skip
-            header = ["method"] + [f"L={_tokens_label(length)}" for length in lengths]
+            header = ["method"] + [f"L={format_tokens(length)}" for length in lengths]
             table = []
             for state in _states_in_order(rows):
                 values = [cell[(state, length)]["ppl"] if (state, length) in cell else None for length in lengths]
-                table.append([state_label(*state)] + [_format_ppl(value) for value in values])
+                table.append([state_label(*state)] + [format_ppl(value) for value in values])
             parts.append(_table(header, table))
             if mode == "buckets":
                 beyond = [length for length in lengths if native and isinstance(native, int) and length > native]
                 if beyond:
                     parts.append(f"\n### Perplexity of positions beyond the native context ({native} .. L)\n")
-                    header = ["method"] + [f"L={_tokens_label(length)}" for length in beyond]
-                    table = [[state_label(*state)] + [_format_ppl(cell[(state, length)]["beyond_native_ppl"])
+                    header = ["method"] + [f"L={format_tokens(length)}" for length in beyond]
+                    table = [[state_label(*state)] + [format_ppl(cell[(state, length)]["beyond_native_ppl"])
                                                       if (state, length) in cell else "" for length in beyond]
                              for state in _states_in_order(rows)]  # fmt: skip
                     parts.append(_table(header, table))
@@ -252,14 +107,14 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
                 ranges = next((row["ranges"] for row in rows if row["context_length"] == longest and row["ranges"]),
                               None)  # fmt: skip
                 if ranges:
-                    parts.append(f"\n### Perplexity by position, one forward of L={_tokens_label(longest)} tokens\n")
-                    header = ["method"] + [f"{_tokens_label(lo)}-{_tokens_label(hi)}" for lo, hi, _ in ranges]
+                    parts.append(f"\n### Perplexity by position, one forward of L={format_tokens(longest)} tokens\n")
+                    header = ["method"] + [f"{format_tokens(lo)}-{format_tokens(hi)}" for lo, hi, _ in ranges]
                     table = []
                     for state in _states_in_order(rows):
                         row = cell.get((state, longest))
                         if row and row["ranges"]:
                             values = {(lo, hi): ppl for lo, hi, ppl in row["ranges"]}
-                            cells = [_format_ppl(values.get((lo, hi))) for lo, hi, _ in ranges]
+                            cells = [format_ppl(values.get((lo, hi))) for lo, hi, _ in ranges]
                             table.append([state_label(*state)] + cells)
                     parts.append(_table(header, table))
             parts.append("")
@@ -270,16 +125,21 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
             depths = sorted({depth for row in rows for depth in row["by_depth"]}, key=float)
             extra = f", {rows[0]['needle_count']} keys per prompt" if task == "needle" else ""
             parts.append(f"### {task} retrieval accuracy (depths {', '.join(depths)}{extra})\n")
-            header = ["method"] + [f"L={_tokens_label(length)}" for length in lengths]
+            header = ["method"] + [f"L={format_tokens(length)}" for length in lengths]
             table = []
             for state in _states_in_order(rows):
                 cells = []
                 for length in lengths:
                     row = cell.get((state, length))
-                    cells.append(f"{row['accuracy']:.0%} ({row['correct']}/{row['trials']})" if row else "")
+                    cells.append(_retrieval_cell(row) if row else "")
                 table.append([state_label(*state)] + cells)
             parts.append(_table(header, table) + "\n")
     return "\n".join(parts)
+
+
+def _retrieval_cell(row: Mapping[str, Any]) -> str:
+    counts = f" ({row['correct']}/{row['trials']})" if row["trials"] is not None else ""
+    return format_accuracy(row["accuracy"]) + counts
 
 
 def comparison_table(summary: Mapping[str, Any], *, task: str = "passkey") -> str:
@@ -294,14 +154,14 @@ def comparison_table(summary: Mapping[str, Any], *, task: str = "passkey") -> st
     retrieval_lengths = sorted({row["length"] for row in retrieval_rows})
     ppl = {(record_state(row), row["context_length"]): row for row in ppl_rows}
     found = {(record_state(row), row["length"]): row for row in retrieval_rows}
-    header = ["method", "scale"] + [f"ppl {_tokens_label(length)}" for length in ppl_lengths]
-    header += [f"ppl beyond {_tokens_label(native)} at {_tokens_label(length)}" for length in beyond_lengths]
-    header += [f"{task} {_tokens_label(length)}" for length in retrieval_lengths]
+    header = ["method", "scale"] + [f"ppl {format_tokens(length)}" for length in ppl_lengths]
+    header += [f"ppl beyond {format_tokens(native)} at {format_tokens(length)}" for length in beyond_lengths]
+    header += [f"{task} {format_tokens(length)}" for length in retrieval_lengths]
     table = []
     for state in _states_in_order(ppl_rows + retrieval_rows):
-        cells = [method_label(state[0], state[2]), "" if state[1] is None else f"{state[1]:g}"]
-        cells += [_format_ppl(ppl[(state, length)]["ppl"]) if (state, length) in ppl else "" for length in ppl_lengths]
-        cells += [_format_ppl(ppl[(state, length)]["beyond_native_ppl"]) if (state, length) in ppl else ""
+        cells = [method_label(state[0], state[2]), format_scale(state[1])]
+        cells += [format_ppl(ppl[(state, length)]["ppl"]) if (state, length) in ppl else "" for length in ppl_lengths]
+        cells += [format_ppl(ppl[(state, length)]["beyond_native_ppl"]) if (state, length) in ppl else ""
                   for length in beyond_lengths]  # fmt: skip
         cells += [f"{found[(state, length)]['correct']}/{found[(state, length)]['trials']}" if (state, length) in found
                   else "" for length in retrieval_lengths]  # fmt: skip
@@ -435,7 +295,7 @@ def plot_retrieval(records: Sequence[Mapping[str, Any]], output_dir: Path) -> li
             for i in range(len(depths)):
                 for j in range(len(lengths)):
                     axes.text(j, i, labels[i][j], ha="center", va="center", fontsize=8)
-            axes.set_xticks(range(len(lengths)), [_tokens_label(length) for length in lengths])
+            axes.set_xticks(range(len(lengths)), [format_tokens(length) for length in lengths])
             axes.set_yticks(range(len(depths)), [f"{depth:g}" for depth in depths])
             axes.set_xlabel("length")
             axes.set_ylabel("depth")

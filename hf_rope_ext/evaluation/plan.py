@@ -1,0 +1,165 @@
+"""What an evaluation run measures (:class:`EvalPlan`), and the checks that refuse a bad plan
+before any model is loaded."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..methods import list_methods
+from ..patching import DEFAULT_STEPS_PER_DOUBLING
+from .perplexity import DEFAULT_CHUNK_SIZE
+from .records import NONE_METHOD, EvaluationError
+from .retrieval import TASKS
+
+__all__ = ["EvalPlan", "PPL_MODES"]
+
+PPL_MODES = ("buckets", "sliding")
+
+
+@dataclass
+class EvalPlan:
+    """What to evaluate. Every list may be empty except ``methods``.
+
+    Attributes:
+        methods: registered method names, or ``"none"`` for the unpatched model.
+        scales: scales applied to every method except ``"none"``.
+        ppl_lengths: context lengths ``L`` for perplexity (one case per length and document).
+        ppl_modes: ``"buckets"`` (one forward of ``L`` tokens) and/or ``"sliding"``.
+        bucket_size: width of the position buckets (default: a quarter of the native context).
+        stride: ``S`` of sliding-window perplexity.
+        sliding_tokens: ``N``, document tokens scored by sliding windows (default: the longest
+            of ``ppl_lengths``, so the longest window is a single forward).
+        retrieval_tasks: ``"passkey"`` and/or ``"needle"``.
+        retrieval_lengths: total tokens of prompt plus answer.
+        depths: where the asked-for key goes, as a fraction of the filler.
+        trials: prompts per (length, depth), with seeded random keys.
+        needle_count: keys in a needle prompt (one asked for, the rest distractors).
+        max_new_tokens: greedy decoding budget for an answer.
+        seed: seed of the keys; the same prompts for every method.
+        chunk_size: positions per LM-head call in the loss.
+        reuse_identical: copy a case's numbers from a finished case with the same rotary
+            frequencies instead of computing them again.
+        steps_per_doubling: passed to :func:`hf_rope_ext.patch_model` for length-dependent
+            methods (None: the exact length); recorded with every case.
+    """
+
+    methods: list[str]
+    scales: list[float] = field(default_factory=list)
+    ppl_lengths: list[int] = field(default_factory=list)
+    ppl_modes: list[str] = field(default_factory=lambda: ["buckets"])
+    bucket_size: int | None = None
+    stride: int = 256
+    sliding_tokens: int | None = None
+    retrieval_tasks: list[str] = field(default_factory=list)
+    retrieval_lengths: list[int] = field(default_factory=list)
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    trials: int = 3
+    needle_count: int = 4
+    max_new_tokens: int = 8
+    seed: int = 0
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    reuse_identical: bool = True
+    steps_per_doubling: int | None = DEFAULT_STEPS_PER_DOUBLING
+
+    def configurations(self) -> list[tuple[str, float | None]]:
+        """``(method, scale)`` pairs in run order: ``none`` first (scale ``None``)."""
+        pairs: list[tuple[str, float | None]] = []
+        if NONE_METHOD in self.methods:
+            pairs.append((NONE_METHOD, None))
+        for method in self.methods:
+            if method != NONE_METHOD:
+                pairs += [(method, float(scale)) for scale in self.scales]
+        return pairs
+
+    def validate(self, native_context: int | None) -> None:
+        """Raise :class:`EvaluationError` naming the problem and the fix.
+
+        ``native_context`` None skips the one check that needs the model (lengths against its
+        native context), so a plan can be checked before the model is loaded.
+        """
+        if not self.methods:
+            raise EvaluationError("No methods given; use e.g. --methods none,yarn,dynamic-yarn.")
+        known = list(list_methods())
+        # a "+logn" suffix adds log-n attention to any method (see patch_model)
+        unknown = [method for method in self.methods if method != NONE_METHOD and method.removesuffix("+logn") not in known]
+        if unknown:
+            raise EvaluationError(
+                f"Unknown method(s) {', '.join(map(repr, unknown))}. Known: {NONE_METHOD} (the unpatched model), "
+                f"{', '.join(known)}, each optionally with '+logn'."
+            )
+        steps = self.steps_per_doubling
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise EvaluationError(
+                f"steps_per_doubling must be a positive integer or None (exact length), got {steps!r}."
+            )
+        if len(set(self.methods)) != len(self.methods):
+            raise EvaluationError(f"A method is listed twice in {self.methods}.")
+        scaled = [method for method in self.methods if method != NONE_METHOD]
+        if scaled and not self.scales:
+            raise EvaluationError(f"Methods {scaled} need at least one scale; use e.g. --scales 2,4.")
+        for scale in self.scales:
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 1:
+                raise EvaluationError(f"Scales must be numbers > 1 (times the native context), got {scale!r}.")
+        for name in ("ppl_lengths", "retrieval_lengths"):
+            for length in getattr(self, name):
+                if isinstance(length, bool) or not isinstance(length, int) or length < 2:
+                    raise EvaluationError(f"{name} must be positive integer token counts, got {length!r}.")
+        unknown_modes = [mode for mode in self.ppl_modes if mode not in PPL_MODES]
+        if unknown_modes:
+            raise EvaluationError(f"Unknown perplexity mode(s) {unknown_modes}; use {' and/or '.join(PPL_MODES)}.")
+        unknown_tasks = [task for task in self.retrieval_tasks if task not in TASKS]
+        if unknown_tasks:
+            raise EvaluationError(f"Unknown retrieval task(s) {unknown_tasks}; use {' and/or '.join(TASKS)}.")
+        if self.retrieval_tasks and not self.retrieval_lengths:
+            raise EvaluationError("Retrieval tasks need --retrieval-lengths (e.g. 8192,16384).")
+        if self.ppl_lengths and not self.ppl_modes:
+            raise EvaluationError("Perplexity lengths were given but no --ppl-modes.")
+        if not self.ppl_lengths and not (self.retrieval_tasks and self.retrieval_lengths):
+            raise EvaluationError(
+                "Nothing to evaluate: give --ppl-lengths and/or --retrieval-tasks with --retrieval-lengths."
+            )
+        for depth in self.depths:
+            if not 0.0 <= depth <= 1.0:
+                raise EvaluationError(f"Depths are fractions of the prompt between 0 and 1, got {depth}.")
+        if self.retrieval_tasks and not self.depths:
+            raise EvaluationError("Retrieval needs at least one depth (e.g. --depths 0.1,0.5,0.9).")
+        for name in ("trials", "max_new_tokens", "stride", "chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EvaluationError(f"{name} must be a positive integer, got {value!r}.")
+        if "needle" in self.retrieval_tasks and not 2 <= self.needle_count <= 20:
+            raise EvaluationError(f"needle_count must be between 2 and 20, got {self.needle_count}.")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise EvaluationError(f"bucket_size must be a positive number of tokens, got {self.bucket_size}.")
+        if "sliding" in self.ppl_modes and self.ppl_lengths:
+            if self.stride > min(self.ppl_lengths):
+                raise EvaluationError(
+                    f"stride {self.stride} is longer than the shortest window {min(self.ppl_lengths)}."
+                )
+            if self.sliding_tokens is not None and self.sliding_tokens < max(self.ppl_lengths):
+                raise EvaluationError(
+                    f"sliding_tokens={self.sliding_tokens} is shorter than the longest window {max(self.ppl_lengths)}; "
+                    "the windows must fit in the scored span."
+                )
+        lengths = self.ppl_lengths + self.retrieval_lengths
+        if scaled and lengths and native_context is not None and max(lengths) <= native_context:
+            raise EvaluationError(
+                f"Every requested length ({', '.join(map(str, sorted(set(lengths))))}) is within the model's own "
+                f"context of {native_context} tokens, so the scaling methods are not compared where they matter. "
+                f"Add a length above {native_context} (e.g. {2 * native_context})."
+            )
+        if self.retrieval_tasks:
+            shortest = min(self.retrieval_lengths) - self.max_new_tokens
+            if shortest < 128:
+                raise EvaluationError(
+                    f"Retrieval length {min(self.retrieval_lengths)} leaves {shortest} prompt tokens; use at least "
+                    f"{128 + self.max_new_tokens}."
+                )
+
+    def required_document_tokens(self) -> int:
+        """How many tokens every document needs."""
+        needed = max(self.ppl_lengths, default=0) if "buckets" in self.ppl_modes else 0
+        if "sliding" in self.ppl_modes and self.ppl_lengths:
+            needed = max(needed, self.sliding_tokens or max(self.ppl_lengths))
+        return needed

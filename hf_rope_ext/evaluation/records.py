@@ -1,0 +1,232 @@
+"""The results file ``results.jsonl``: its record schema, its one reader and the resumable store.
+
+This module is the bottom of the evaluation package: it imports neither torch nor the other
+evaluation modules, so readers of results (reports, model cards, example scripts) stay light.
+
+One JSON object per finished case, appended (and flushed to disk) as soon as the case ends, so an
+interrupted run loses at most the case it was in, and a rerun of the same command skips every case
+already in the file. A case is identified by the fields listed in :data:`IDENTITY_FIELDS` for its
+kind; everything else is a result.
+
+Schema (``scale`` is ``null`` for ``method: "none"``, the unpatched model)::
+
+    {"kind": "perplexity", "mode": "buckets" | "sliding", "method": "yarn", "scale": 4.0,
+     "steps_per_doubling": null,       # length-dependent methods: n of the patch, or "exact"
+     "model": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "fp32", "document": "pg84",
+     "model_fingerprint": "...",       # config and a sample of the weights (runner.model_fingerprint())
+     "document_sha256": "...",         # the document's token ids (documents.document_hash())
+     "context_length": 16384,          # L: tokens per forward (window length for "sliding")
+     "stride": null | 256,             # S, sliding mode only
+     "eval_tokens": null | 32768,      # sliding mode: first N tokens of the document scored
+     "bucket_size": 2048 | null,       # buckets mode only
+     "buckets": [[0, 2048, 13.1], ...] | null,   # [start, end, ppl] per position bucket
+     "ppl": 11.2, "nll": 2.416, "tokens": 16383, "windows": 1,
+     "native_context": 8192, "rope_fingerprint": "...", "seconds": 151.2,
+     "reused_from": null | {"method": "none", "scale": null, "steps_per_doubling": null}}
+
+    {"kind": "retrieval", "task": "passkey" | "needle", "method": "yarn", "scale": 4.0,
+     "steps_per_doubling": null, "model": "...", "dtype": "fp32", "model_fingerprint": "...",
+     "length": 16384,                  # prompt + answer budget: prompts have length - max_new_tokens tokens
+     "depth": 0.5, "trials": 5, "seed": 0,
+     "needle_count": null | 4, "max_new_tokens": 8,
+     "correct": 4, "accuracy": 0.8, "answers": ["12345", ...], "outputs": [" 12345. The", ...],
+     "native_context": 8192, "rope_fingerprint": "...", "seconds": 402.0, "reused_from": null}
+
+Documents are identified by their content (``document_sha256``) and the model by its config and
+weights (``model_fingerprint``), not by names alone: a folder whose records name the same
+document or model with other content is refused, so numbers of one text or checkpoint are never
+reported for another. Records written before these fields existed are refused the same way.
+
+``steps_per_doubling`` is part of a case's identity: results of one frequency grid of the
+length-dependent methods are never taken for another's. A record without the field (written
+before it was recorded) matches no case of a length-dependent method; its numbers can still be
+reused through its RoPE fingerprint.
+
+Definitions of the numbers: :mod:`hf_rope_ext.evaluation.perplexity` and
+:mod:`hf_rope_ext.evaluation.retrieval`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..files import atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "EvaluationError",
+    "ResultStore",
+    "case_key",
+    "load_records",
+    "parse_steps_per_doubling",
+    "read_records",
+    "read_results",
+    "recorded_steps",
+]
+
+RESULTS_FILE = "results.jsonl"
+NONE_METHOD = "none"
+EXACT_STEPS = "exact"  # steps_per_doubling=None in patch_model: frequencies of the exact length
+
+IDENTITY_FIELDS = {
+    "perplexity": ("kind", "mode", "method", "scale", "steps_per_doubling", "model", "model_fingerprint", "dtype",
+                   "document", "document_sha256", "context_length", "stride", "eval_tokens", "bucket_size"),
+    "retrieval": ("kind", "task", "method", "scale", "steps_per_doubling", "model", "model_fingerprint", "dtype",
+                  "length", "depth", "trials", "seed", "needle_count", "max_new_tokens"),
+}  # fmt: skip
+# Fields that say which model state produced a case; the rest must match for a reuse.
+STATE_FIELDS = ("method", "scale", "steps_per_doubling")
+
+
+class EvaluationError(ValueError):
+    """Bad input to an evaluation run (the message says what to change)."""
+
+
+def is_length_dependent(method: str) -> bool:
+    """Whether a registered method recomputes its frequencies from the input length."""
+    from ..methods import get_method  # methods imports torch; only this look-up needs it
+
+    return get_method(method).length_dependent
+
+
+def recorded_steps(method: str, steps_per_doubling: int | None) -> int | str | None:
+    """The ``steps_per_doubling`` field of a record: the patch's ``n`` for length-dependent
+    methods (``"exact"`` for None), None for static methods and the unpatched model.
+
+    Part of a case's identity, so that results of one frequency grid are never taken for
+    another's (records written before the field existed have it missing, so never match).
+    """
+    if method == NONE_METHOD or not is_length_dependent(method):
+        return None
+    return EXACT_STEPS if steps_per_doubling is None else int(steps_per_doubling)
+
+
+def parse_steps_per_doubling(text: str) -> int | None:
+    """Command-line form of ``steps_per_doubling``: a positive integer, or ``exact`` (None)."""
+    if text.strip().lower() == EXACT_STEPS:
+        return None
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise ValueError(f"steps per doubling must be a positive integer or '{EXACT_STEPS}', got {text!r}.")
+    return steps
+
+
+def case_key(record: Mapping[str, Any]) -> str:
+    """The identity of a case, as a string (the identity fields of its kind)."""
+    kind = record.get("kind")
+    if kind not in IDENTITY_FIELDS:
+        raise EvaluationError(f"Unknown result kind {kind!r}; expected one of {sorted(IDENTITY_FIELDS)}.")
+    return json.dumps({name: record.get(name) for name in IDENTITY_FIELDS[kind]}, sort_keys=True)
+
+
+def data_key(record: Mapping[str, Any]) -> str:
+    """The identity without the model state, plus the RoPE fingerprint: equal keys, equal results."""
+    fields = [name for name in IDENTITY_FIELDS[record["kind"]] if name not in STATE_FIELDS]
+    identity = {name: record.get(name) for name in fields}
+    return json.dumps({**identity, "rope": record.get("rope_fingerprint")}, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------------
+
+
+def load_records(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int | None]:
+    """``(records, skipped)``: the JSON objects of a results file, one per line, and the number of
+    the line that was skipped as cut off (None if none was).
+
+    Every append writes a whole line ending in a newline, so an interrupted one (Ctrl-C, a killed
+    job, a full disk) leaves at most a last line without its newline: that line, if it is not
+    valid JSON, is skipped with a warning naming it. Any other line that is not a JSON object
+    raises :class:`EvaluationError` naming the file and line. Blank lines are ignored; a missing
+    file has no records.
+    """
+    path = Path(path)
+    if not path.exists():
+        return [], None
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines) and not text.endswith("\n"):
+                logger.warning("%s:%d is incomplete (an interrupted write) and is skipped; the evaluation computes "
+                               "that case again.", path, number)  # fmt: skip
+                return records, number
+            raise EvaluationError(
+                f"{path}:{number} is not valid JSON ({error.msg}); fix or remove that line, or use another folder."
+            ) from None
+        if not isinstance(record, dict):
+            raise EvaluationError(
+                f"{path}:{number} holds a JSON {type(record).__name__}, not an object; fix or remove that line."
+            )
+        records.append(record)
+    return records, None
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a results file (see :func:`load_records`): the one reader of ``results.jsonl``
+    for the evaluation, its reports and model cards, and scripts that keep their own results."""
+    return load_records(path)[0]
+
+
+def read_results(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of ``<output_dir>/results.jsonl`` (empty if there is none), each of a known kind."""
+    records = read_records(Path(output_dir) / RESULTS_FILE)
+    for record in records:
+        case_key(record)  # raises on records of an unknown kind
+    return records
+
+
+# ----------------------------------------------------------------------------------------------
+# The store
+# ----------------------------------------------------------------------------------------------
+
+
+class ResultStore:
+    """``results.jsonl``: read once, then appended one line per finished case."""
+
+    def __init__(self, output_dir: str | os.PathLike):
+        self.path = Path(output_dir) / RESULTS_FILE
+        self.records, skipped = load_records(self.path)
+        for record in self.records:
+            case_key(record)  # raises on records of an unknown kind
+        if skipped is not None:
+            # Drop the cut-off line before appending, so that it does not end up inside the file.
+            atomic_write_text(self.path, "".join(json.dumps(record) + "\n" for record in self.records))
+        self._keys = {case_key(record) for record in self.records}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def append(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._lacks_final_newline():  # e.g. edited by hand: never glue a record onto the last line
+            line = "\n" + line
+        with open(self.path, "a", encoding="utf-8") as file:
+            file.write(line)
+            file.flush()
+            os.fsync(file.fileno())
+        self.records.append(record)
+        self._keys.add(case_key(record))
+
+    def _lacks_final_newline(self) -> bool:
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return False
+        with open(self.path, "rb") as file:
+            file.seek(-1, os.SEEK_END)
+            return file.read(1) != b"\n"
