@@ -17,10 +17,10 @@ round of each side is compared, so that drifts in machine load hit both alike.
 
 Run (CPU, about 20 minutes)::
 
-    python examples/benchmark_speed.py --model smollm2 --output_dir outputs/benchmark \\
+    python examples/benchmark_speed.py --model smollm2 --output-dir outputs/benchmark \\
         --forward-tokens 4096 --original-context 1024
 
-Prints a table and writes ``speed.json`` under ``--output_dir``.
+Prints a table and writes ``speed.json`` under ``--output-dir`` (``--output_dir`` still parses).
 """
 
 from __future__ import annotations
@@ -37,36 +37,45 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
 from hf_rope_ext import get_patch_info, patch_model, unpatch_model
+from hf_rope_ext.arguments import (
+    add_attn_implementation_argument,
+    add_device_arguments,
+    add_dtype_argument,
+    add_model_argument,
+    add_option,
+    add_output_dir_argument,
+    argument_parser,
+)
 from hf_rope_ext.loading import load_model, resolve_model_path
 
 STATIC_METHODS = ("linear", "ntk", "yarn", "llama3")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2", help="model id, folder, or 'smollm2'")
-    parser.add_argument("--output_dir", required=True, type=Path)
-    parser.add_argument("--forward-tokens", type=int, default=4096)
-    parser.add_argument("--forward-repeats", type=int, default=5)
-    parser.add_argument("--forward-methods", default=",".join(STATIC_METHODS),
-                        help="comma-separated methods for the forward benchmark, e.g. self-extend,dual-chunk "
-                             "(attention-level methods need --forward-tokens beyond the native context to matter)")
-    parser.add_argument("--forward-scale", type=float, default=4.0, help="scale of the forward benchmark's patches")
-    parser.add_argument("--original-context", type=int, default=None,
-                        help="original context for the decode benchmark (default: the model's own)")
-    parser.add_argument("--scale", type=float, default=4.0)
-    parser.add_argument("--steps-per-doubling", type=int, default=None,
-                        help="for hf_rope_ext's dynamic (default: the package default)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default="fp32")
-    parser.add_argument("--attn-implementation", default="sdpa")
-    parser.add_argument("--decode-repeats", type=int, default=3,
-                        help="rounds of the decode benchmark, each timing both models (default 3)")
-    parser.add_argument("--decode-new-tokens", type=int, default=256,
-                        help="new tokens after the prompts of 1.1, 1.5 and 1.9 x the original context")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-forward", action="store_true")
-    parser.add_argument("--skip-decode", action="store_true")
+    parser = argument_parser(__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    add_output_dir_argument(parser, help="speed.json goes here")
+    add_option(parser, "--forward-tokens", type=int, default=4096)
+    add_option(parser, "--forward-repeats", type=int, default=5)
+    add_option(parser, "--forward-methods", default=",".join(STATIC_METHODS),
+               help="comma-separated methods for the forward benchmark, e.g. self-extend,dual-chunk "
+                    "(attention-level methods need --forward-tokens beyond the native context to matter)")
+    add_option(parser, "--forward-scale", type=float, default=4.0, help="scale of the forward benchmark's patches")
+    add_option(parser, "--original-context", type=int, default=None,
+               help="original context for the decode benchmark (default: the model's own)")
+    add_option(parser, "--scale", type=float, default=4.0)
+    add_option(parser, "--steps-per-doubling", type=int, default=None,
+               help="for hf_rope_ext's dynamic (default: the package default)")
+    add_device_arguments(parser)
+    add_dtype_argument(parser)
+    add_attn_implementation_argument(parser, choices=("sdpa", "eager", "flash_attention_2"))
+    add_option(parser, "--decode-repeats", type=int, default=3,
+               help="rounds of the decode benchmark, each timing both models (default 3)")
+    add_option(parser, "--decode-new-tokens", type=int, default=256,
+               help="new tokens after the prompts of 1.1, 1.5 and 1.9 x the original context")
+    add_option(parser, "--seed", type=int, default=0)
+    add_option(parser, "--skip-forward", action="store_true")
+    add_option(parser, "--skip-decode", action="store_true")
     return parser.parse_args()
 
 

@@ -4,11 +4,11 @@
 the method's parameters), so parameter sweeps and the results table of the attention-level
 methods come from one place. Each configuration is one forward over the first `--length`
 tokens of the text; its loss is pooled over position ranges and appended to
-`<output_dir>/results.jsonl` as soon as it is done (rerunning skips finished configurations).
+`<output-dir>/results.jsonl` as soon as it is done (rerunning skips finished configurations).
 The wall time of each forward is recorded, so speed ratios against `none` come from the same run.
 
-    python examples/compare_configurations.py --model smollm2 --text_file ../shared/data/books/pg84.txt \\
-        --length 16384 --scale 2 --output_dir outputs/attention_sweep \\
+    python examples/compare_configurations.py --model smollm2 --text-files ../shared/data/books/pg84.txt \\
+        --length 16384 --scale 2 --output-dir outputs/attention_sweep \\
         --configs "none;yarn;self-extend:neighbor_window=2048;dual-chunk;self-extend+logn:neighbor_window=2048"
 
 A configuration is `method[:key=value,...]`; values are parsed as JSON (numbers, true/false, null).
@@ -16,7 +16,6 @@ A configuration is `method[:key=value,...]`; values are parsed as JSON (numbers,
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -27,6 +26,14 @@ from pathlib import Path
 import torch
 
 from hf_rope_ext import patch_model, unpatch_model
+from hf_rope_ext.arguments import (
+    add_attn_implementation_argument,
+    add_model_argument,
+    add_option,
+    add_output_dir_argument,
+    add_text_files_argument,
+    argument_parser,
+)
 from hf_rope_ext.data import read_text, tokenize
 from hf_rope_ext.evaluation.perplexity import bucket_perplexity
 from hf_rope_ext.files import atomic_write_text
@@ -61,16 +68,20 @@ def read_records(path: Path) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--text_file", "--text-file", required=True)
-    parser.add_argument("--length", type=int, required=True, help="tokens per forward")
-    parser.add_argument("--scale", type=float, required=True)
-    parser.add_argument("--configs", required=True, help="';'-separated method[:key=value,...]; 'none' = unpatched")
-    parser.add_argument("--ranges", default=None, help="comma-separated range edges (default 0,L0/2,L0,length)")
-    parser.add_argument("--output_dir", "--output-dir", required=True)
-    parser.add_argument("--attn_implementation", "--attn-implementation", default="sdpa")
+    # Dash spellings; the underscore ones (--text_file, --output_dir) still parse.
+    parser = argument_parser(__doc__.split("\n")[0])
+    add_model_argument(parser)
+    add_text_files_argument(parser, required=True, help="one long document")
+    add_option(parser, "--length", type=int, required=True, help="tokens per forward")
+    add_option(parser, "--scale", type=float, required=True)
+    add_option(parser, "--configs", required=True, help="';'-separated method[:key=value,...]; 'none' = unpatched")
+    add_option(parser, "--ranges", default=None, help="comma-separated range edges (default 0,L0/2,L0,length)")
+    add_output_dir_argument(parser, help="results.jsonl and table.md go here")
+    add_attn_implementation_argument(parser, choices=("sdpa", "eager", "flash_attention_2"))
     args = parser.parse_args()
+    if len(args.text_files) != 1:
+        parser.error(f"give one document with --text-files, got {len(args.text_files)}")
+    (args.text_file,) = args.text_files
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     output = Path(args.output_dir)

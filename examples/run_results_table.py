@@ -14,20 +14,21 @@ frequencies depend on the length only, not on the configured scale).
 Full run (about 4-5 hours on an idle 2-core CPU, more when it is shared; most of it is the 32k
 forwards: one takes about 4-6 minutes; resumable: rerun the same command after an interruption)::
 
-    python examples/run_results_table.py --text_file ../shared/data/books/pg84.txt \\
-        --output_dir outputs/results_table
+    python examples/run_results_table.py --text-files ../shared/data/books/pg84.txt \\
+        --output-dir outputs/results_table
 
 A quick slice (4-5 minutes on an idle 2-core CPU)::
 
-    python examples/run_results_table.py --text_file ../shared/data/books/pg84.txt \\
-        --output_dir outputs/results_table_slice_final --methods none,yarn,dynamic-yarn --scales 2 \\
-        --ppl_lengths 4096,8192,12288 --retrieval_lengths ""
+    python examples/run_results_table.py --text-files ../shared/data/books/pg84.txt \\
+        --output-dir outputs/results_table_slice_final --methods none,yarn,dynamic-yarn --scales 2 \\
+        --ppl-lengths 4096,8192,12288 --retrieval-lengths ""
 
 Note: at exactly 2x and 4x the native context, dynamic-yarn uses the frequencies of yarn at
 scale 2 and 4 (its scale is length / native context), so those cells are equal by construction;
-lengths in between (e.g. ``--ppl_lengths 4096,8192,12288,16384,24576,32768``) show where they differ.
+lengths in between (e.g. ``--ppl-lengths 4096,8192,12288,16384,24576,32768``) show where they differ.
 
-Prints the table in markdown and writes every report of ``hf-rope-ext eval`` under ``--output_dir``.
+Prints the table in markdown and writes every report of ``hf-rope-ext eval`` under ``--output-dir``.
+The underscore spellings of earlier versions (``--text_file``, ``--ppl_lengths``, ...) still parse.
 """
 
 from __future__ import annotations
@@ -35,13 +36,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from pathlib import Path
 
 from hf_rope_ext import DEFAULT_METHOD
 from hf_rope_ext.evaluation import EvalPlan, run_evaluation
 from hf_rope_ext.evaluation.report import comparison_table, state_label
 from hf_rope_ext.evaluation.runner import documents_from_files, parse_steps_per_doubling, recorded_steps
-from hf_rope_ext.loading import SMOLLM2_ALIASES, SMOLLM2_HUB_ID, load_model
+from hf_rope_ext.arguments import (
+    add_attn_implementation_argument,
+    add_device_arguments,
+    add_dtype_argument,
+    add_model_argument,
+    add_option,
+    add_output_dir_argument,
+    add_text_files_argument,
+    argument_parser,
+    model_label,
+)
+from hf_rope_ext.loading import load_model
 from hf_rope_ext.patching import DEFAULT_STEPS_PER_DOUBLING
 
 
@@ -49,24 +60,28 @@ def _ints(text: str) -> list[int]:
     return [int(item) for item in text.split(",") if item.strip()]
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--text_file", type=Path, required=True, help="one long document (over 32k tokens)")
-    parser.add_argument("--output_dir", type=Path, required=True)
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--methods", default="none,linear,ntk,dynamic,yarn,dynamic-yarn")
-    parser.add_argument("--scales", default="2,4")
-    parser.add_argument("--ppl_lengths", type=_ints, default=[4096, 8192, 16384, 32768])
-    parser.add_argument("--retrieval_lengths", type=_ints, default=[8192, 16384, 32768])
-    parser.add_argument("--depths", default="0.1,0.5,0.9")
-    parser.add_argument("--trials", type=int, default=1, help="passkeys per length and depth")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps_per_doubling", type=parse_steps_per_doubling, default=DEFAULT_STEPS_PER_DOUBLING,
-                        help="frequency steps of the length-dependent methods, or 'exact' (default: the package's)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default="fp32")
-    parser.add_argument("--attn_implementation", default="sdpa")
-    return parser.parse_args()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argument_parser(__doc__.split("\n\n")[0])
+    add_text_files_argument(parser, required=True, help="one long document (over 32k tokens)")
+    add_output_dir_argument(parser, help="the reports of hf-rope-ext eval go here")
+    add_model_argument(parser)
+    add_option(parser, "--methods", default="none,linear,ntk,dynamic,yarn,dynamic-yarn")
+    add_option(parser, "--scales", default="2,4")
+    add_option(parser, "--ppl-lengths", type=_ints, default=[4096, 8192, 16384, 32768])
+    add_option(parser, "--retrieval-lengths", type=_ints, default=[8192, 16384, 32768])
+    add_option(parser, "--depths", default="0.1,0.5,0.9")
+    add_option(parser, "--trials", type=int, default=1, help="passkeys per length and depth")
+    add_option(parser, "--seed", type=int, default=0)
+    add_option(parser, "--steps-per-doubling", type=parse_steps_per_doubling, default=DEFAULT_STEPS_PER_DOUBLING,
+               help="frequency steps of the length-dependent methods, or 'exact' (default: the package's)")
+    add_device_arguments(parser)
+    add_dtype_argument(parser)
+    add_attn_implementation_argument(parser, choices=("sdpa", "eager", "flash_attention_2"))
+    args = parser.parse_args(argv)
+    if len(args.text_files) != 1:
+        parser.error(f"give one document with --text-files, got {len(args.text_files)}")
+    (args.text_file,) = args.text_files
+    return args
 
 
 def goal_checks(summary: dict, native: int) -> list[str]:
@@ -122,7 +137,7 @@ def main() -> None:
                                   attn_implementation=args.attn_implementation)  # fmt: skip
     native = int(model.config.max_position_embeddings)
     documents = documents_from_files(tokenizer, [args.text_file])
-    name = SMOLLM2_HUB_ID if args.model.lower() in SMOLLM2_ALIASES else args.model
+    name = model_label(args.model)
     run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=name, dtype=args.dtype)
     summary = json.loads((args.output_dir / "summary.json").read_text(encoding="utf-8"))
     # The folder may also hold results of other frequency steps: keep this run's.

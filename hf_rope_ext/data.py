@@ -86,7 +86,7 @@ def iter_dataset_texts(name: str, split: str = "test", text_field: str = "text",
         raise OSError(
             f"Dataset {name!r} (split {split!r}) could not be read: {type(error).__name__}: {message}. Datasets are "
             "streamed from the Hugging Face Hub, which needs a network connection; pass local files with "
-            "--text-file instead."
+            "--text-files instead."
         ) from error
     if first is None:
         return

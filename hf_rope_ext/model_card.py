@@ -296,10 +296,10 @@ def _training_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def _hub_base_model(candidate: Any) -> str:
-    from .loading import SMOLLM2_ALIASES, SMOLLM2_HUB_ID
+    from .arguments import model_label  # the shared alias map: smollm2 -> its Hub id
 
-    if isinstance(candidate, str) and candidate.lower() in SMOLLM2_ALIASES:
-        return SMOLLM2_HUB_ID
+    if isinstance(candidate, str) and model_label(candidate) != candidate:
+        return model_label(candidate)
     if not isinstance(candidate, str) or not _HUB_ID.match(candidate) or Path(candidate).exists():
         raise ValueError(
             f"base_model must be the base model's Hub repo id (like 'HuggingFaceTB/SmolLM2-135M-Instruct'), got "
@@ -526,20 +526,23 @@ def write_model_card(card: Any, output: str | os.PathLike, plots: Iterable[str |
 
 
 def add_parser(subparsers) -> None:
+    from .arguments import HelpFormatter, add_option  # dash spellings; the underscore ones are hidden aliases
+
     parser = subparsers.add_parser(
         "card",
+        formatter_class=HelpFormatter,
         help="render a model card for a patched checkpoint",
         description="Render README.md for a checkpoint saved from a patched model, with loading instructions, the "
         "evaluation tool's results and plots, and the fine-tuning run's summary.",
     )
-    parser.add_argument("--model-dir", required=True, help="the saved checkpoint (its config.json is read)")
-    parser.add_argument("--eval-dir", help="folder with results.jsonl and *.png from the evaluation tool")
-    parser.add_argument("--training-summary", help="training_summary.json of the fine-tuning run")
-    parser.add_argument("--base-model", help="Hub id of the base model (default: from the training summary)")
-    parser.add_argument("--repo-id", help="Hub repo id the checkpoint is pushed to (used in the instructions)")
-    parser.add_argument("--license", help="license identifier for the card metadata")
-    parser.add_argument("--template", help="Jinja template (default: the one shipped in hf_rope_ext/templates)")
-    parser.add_argument("--output", help="where to write the card (default: MODEL_DIR/README.md)")
+    add_option(parser, "--model-dir", required=True, help="the saved checkpoint (its config.json is read)")
+    add_option(parser, "--eval-dir", help="folder with results.jsonl and *.png from the evaluation tool")
+    add_option(parser, "--training-summary", help="training_summary.json of the fine-tuning run")
+    add_option(parser, "--base-model", help="Hub id of the base model (default: from the training summary)")
+    add_option(parser, "--repo-id", help="Hub repo id the checkpoint is pushed to (used in the instructions)")
+    add_option(parser, "--license", help="license identifier for the card metadata")
+    add_option(parser, "--template", help="Jinja template (default: the one shipped in hf_rope_ext/templates)")
+    add_option(parser, "--output", help="where to write the card (default: MODEL_DIR/README.md)")
     parser.set_defaults(handler=_card_command)
 
 

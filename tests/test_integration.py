@@ -44,7 +44,8 @@ def test_torch_compile_fullgraph_static_methods(method):
     ids = random_ids(3 * L0)
     with torch.no_grad():
         expected = model(ids).logits
-        compiled = torch.compile(model, fullgraph=True, backend="eager" if method != "yarn" else "inductor")
+        # backend="eager": fullgraph=True catches graph breaks; inductor would only add compile time.
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
         torch.testing.assert_close(compiled(ids).logits, expected, rtol=0, atol=2e-5)
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import hf_rope_ext  # noqa: F401  (registers this package's rope types with transformers)
-from hf_rope_ext import config_io, get_method, patch_model
+from hf_rope_ext import config_io, get_method, get_patch_info, patch_model
 from hf_rope_ext.training import (
     FinetuneConfig,
     LoraSettings,
@@ -36,11 +36,15 @@ from hf_rope_ext.training import (
     load_adapter_model,
     norm_module_names,
     pose_position_ids,
+    resolve_lengths,
 )
 from hf_rope_ext.training import checkpoint as checkpoint_module
+from hf_rope_ext.training import model as model_module
 from hf_rope_ext.training import trainer as trainer_module
+from hf_rope_ext.training.environment import check_environment
+from hf_rope_ext.training.outputs import check_output_dir
 
-from conftest import FAMILIES, ORIGINAL_CONTEXT, make_model, native_twin
+from conftest import FAMILIES, ORIGINAL_CONTEXT, make_config, make_model, native_twin
 
 REPO = Path(__file__).resolve().parents[1]
 L0 = ORIGINAL_CONTEXT
@@ -49,7 +53,7 @@ L0 = ORIGINAL_CONTEXT
 # -- fixtures ----------------------------------------------------------------------------------
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
+def char_tokenizer(**kwargs) -> PreTrainedTokenizerFast:
     """One token per character (printable ASCII), ids below the tiny models' vocabulary of 128."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
@@ -59,13 +63,13 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>", **kwargs
     )
 
 
-def save_tiny(folder: Path, family: str = "llama", **overrides) -> Path:
+def save_tiny(folder: Path, family: str = "llama", tokenizer_kwargs: dict | None = None, **overrides) -> Path:
     make_model(family, **overrides).save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
+    char_tokenizer(**(tokenizer_kwargs or {})).save_pretrained(folder)
     return folder
 
 
@@ -317,7 +321,7 @@ class Killed(BaseException):
 
 def _kill_during_step(monkeypatch, step: int):
     """Make the run die inside the forward pass of optimizer step ``step`` (batch 1, no accumulation)."""
-    original_apply = trainer_module.apply_lora
+    original_apply = model_module.apply_lora
     calls = {"forward": 0}
 
     def apply_and_arm(model, settings):
@@ -331,7 +335,7 @@ def _kill_during_step(monkeypatch, step: int):
         peft_model.register_forward_pre_hook(hook, with_kwargs=True)
         return peft_model
 
-    monkeypatch.setattr(trainer_module, "apply_lora", apply_and_arm)
+    monkeypatch.setattr(model_module, "apply_lora", apply_and_arm)
 
 
 def test_killed_run_resumes_at_the_same_step_and_data_position(tiny_model, varied_text, tmp_path, monkeypatch):
@@ -390,7 +394,9 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tiny_model, varied_tex
     assert not (output / "checkpoints" / "step-0000004").exists()
     summary = finetune(config_for(tiny_model, output, varied_text, max_steps=4, save_steps=2, resume=True))
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
-    assert not any(path.name.startswith(".tmp") for path in (output / "checkpoints").iterdir())
+    # no staging folder (hidden, ".step-0000004.staging-...") is left behind
+    assert not any(path.name.startswith(".") for path in (output / "checkpoints").iterdir())
+    assert not any(path.name.startswith(".") for path in output.iterdir())
 
 
 def test_memory_saver_flags_run(tiny_model, varied_text, tmp_path):
@@ -416,6 +422,14 @@ def test_dataset_input(tiny_model, tmp_path):
 # -- bad input -------------------------------------------------------------------------------------------
 
 
+def check_before_training(config: FinetuneConfig) -> None:
+    """The checks finetune makes before it loads the model, in its order (the tiny models' config)."""
+    config.validate()
+    check_environment(config)
+    check_output_dir(config)
+    resolve_lengths(config, make_config("llama"))
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -427,21 +441,48 @@ def test_dataset_input(tiny_model, tmp_path):
         (dict(window=2 * L0), "PoSE windows must fit the original context"),
         (dict(pose=False, window=8 * L0), "longer than the target length"),
         (dict(dataset="some/dataset"), "not both"),
-        (dict(warmup_steps=4), "warmup_steps"),
+        (dict(warmup_steps=4), "--warmup-steps"),
         (dict(method="nope"), "nope"),
         (dict(method_params="{beta_fast: 32"), "JSON"),
-        (dict(lr_scheduler="step"), "lr_scheduler"),
+        (dict(lr_scheduler="step"), "--lr-scheduler"),
         (dict(resume=True), "no checkpoint"),
-        (dict(max_steps=0), "max_steps"),
+        (dict(max_steps=0), "--max-steps"),
         (dict(lora_dropout=1.5), "dropout"),
-        (dict(max_grad_norm=-1.0), "max_grad_norm"),
+        (dict(max_grad_norm=-1.0), "--max-grad-norm"),
     ],
 )
 def test_bad_input_is_refused_before_training(tiny_model, varied_text, tmp_path, overrides, message):
     output = tmp_path / "run"
     with pytest.raises(ValueError, match=message):
-        finetune(config_for(tiny_model, output, varied_text, **overrides))
-    assert not (output / "train_log.jsonl").exists()
+        check_before_training(config_for(tiny_model, output, varied_text, **overrides))
+    assert not output.exists()
+
+
+def test_finetune_runs_the_checks_before_training(tiny_model, varied_text, tmp_path):
+    output = tmp_path / "run"
+    for overrides, message in ((dict(warmup_steps=4), "--warmup-steps"), (dict(scale=4, target_length=100), "disagree"),
+                               (dict(resume=True), "no checkpoint")):
+        with pytest.raises(ValueError, match=message):
+            finetune(config_for(tiny_model, output, varied_text, **overrides))
+        assert not (output / "train_log.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(scale=4), dict(scale=2.51), dict(scale=3.3333), dict(scale=None, target_length=75),
+     dict(scale=2.5, target_length=80), dict(scale=3, original_context=16)],
+)
+def test_target_length_agrees_with_patch_model(overrides):
+    """Fine-tuning trains for the context patch_model gives: one resolver, the same rounding."""
+    config = FinetuneConfig(model="x", output_dir="unused", text_files=["unused"], **overrides)
+    lengths = resolve_lengths(config, make_config("llama"))
+    model = make_model("llama")
+    request = dict(max_length=config.target_length) if config.target_length is not None else dict(scale=config.scale)
+    patch_model(model, method="yarn", original_max_length=config.original_context, **request)
+    info = get_patch_info(model)
+    assert (lengths.scale, lengths.target, lengths.original) == (
+        info.scale, info.max_position_embeddings, info.original_max_position_embeddings
+    )
 
 
 def test_bad_text_is_refused_before_training(tiny_model, tmp_path):
@@ -494,6 +535,21 @@ def test_outputs_get_the_users_umask_permissions(tiny_model, varied_text, tmp_pa
             assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
 
 
+def test_merged_checkpoint_is_saved_like_save_patched(tmp_path, varied_text):
+    """merged/ is written by hub.save_patched: the 4.x `rope_scaling` keys beside rope_parameters,
+    and the tokenizer's model_max_length raised to the extended context."""
+    model_dir = save_tiny(tmp_path / "base", tokenizer_kwargs=dict(model_max_length=L0))
+    output = tmp_path / "run"
+    finetune(config_for(model_dir, output, varied_text, max_steps=1))
+    saved = json.loads((output / "merged" / "config.json").read_text())
+    assert saved["rope_scaling"]["rope_type"] == "yarn" and saved["rope_scaling"]["factor"] == 4.0
+    assert saved["max_position_embeddings"] == 4 * L0
+    tokenizer_config = json.loads((output / "merged" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["model_max_length"] == 4 * L0
+    # the adapter's tokenizer is the base model's, unchanged
+    assert json.loads((output / "adapter" / "tokenizer_config.json").read_text())["model_max_length"] == L0
+
+
 # -- several processes --------------------------------------------------------------------------------------
 
 
@@ -503,17 +559,18 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_process_ddp_matches_one_process(tiny_model, varied_text, tmp_path):
     """``accelerate launch`` with the shipped DDP config: 2 CPU processes (gloo), batch 1 each,
     against one process with batch 2: the same examples per step and the same mean loss, so the
     same weights."""
-    arguments = ["--model", str(tiny_model), "--text_files", str(varied_text), "--method", "yarn", "--scale", "4",
-                 "--pose", "--max_steps", "3", "--learning_rate", "1e-2", "--lora_rank", "4", "--lora_alpha", "8",
-                 "--attn_implementation", "eager", "--save_steps", "2"]
+    arguments = ["--model", str(tiny_model), "--text-files", str(varied_text), "--method", "yarn", "--scale", "4",
+                 "--pose", "--max-steps", "3", "--learning-rate", "1e-2", "--lora-rank", "4", "--lora-alpha", "8",
+                 "--attn-implementation", "eager", "--save-steps", "2"]
     # The accelerate CLI of this interpreter (its script may not be on PATH).
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "examples" / "accelerate_configs" / "ddp.yaml"),
                "--main_process_port", str(_free_port()), str(REPO / "examples" / "finetune_lora.py"),
-               "--output_dir", str(tmp_path / "ddp"), *arguments]
+               "--output-dir", str(tmp_path / "ddp"), *arguments]
     environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -540,6 +597,7 @@ def test_single_process_cpu_launch_asking_for_several_is_refused(tiny_model, var
         finetune(config_for(tiny_model, tmp_path / "run", varied_text))
 
 
+@pytest.mark.slow
 def test_example_script_reports_bad_input(tiny_model, tmp_path):
     script = REPO / "examples" / "finetune_lora.py"
     result = subprocess.run(
@@ -556,6 +614,7 @@ def test_example_script_reports_bad_input(tiny_model, tmp_path):
 BOOKS = REPO.parent / "shared" / "data" / "books"
 
 
+@pytest.mark.slow
 def test_smollm2_smoke_run_merges_and_reloads(tmp_path):
     """One PoSE step on SmolLM2-135M-Instruct (tied embeddings, real tokenizer), scale 4: the
     merged checkpoint reloads with plain from_pretrained to the adapter model's logits."""

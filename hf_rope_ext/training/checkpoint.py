@@ -10,9 +10,9 @@ A checkpoint is a folder ``step-0000050/`` holding
 * ``trainer_state.json``: the step, the data position, the LR scheduler, counters, and what
   the run was configured with. It is written last.
 
-Writes go to a hidden temporary folder that is renamed into place only when complete, so a run
-killed while saving leaves the previous checkpoints intact and never a partial one under a
-checkpoint name. Only the newest ``keep_last`` checkpoints are kept.
+Writes go through :func:`hf_rope_ext.files.atomic_directory` (a hidden folder renamed into place
+only when complete), so a run killed while saving leaves the previous checkpoints intact and
+never a partial one under a checkpoint name. Only the newest ``keep_last`` checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..files import atomic_write_json, give_umask_permissions
+from ..files import atomic_directory, atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ __all__ = [
 ]
 
 STATE_FILE = "trainer_state.json"
+# Hidden folder beside the checkpoints where every process leaves its RNG state while saving.
+RNG_STAGING_SUFFIX = ".staging-rng"
 _NAME = re.compile(r"^step-(\d+)$")
 
 
@@ -155,10 +157,6 @@ def set_rng_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) 
 # -- whole checkpoints -------------------------------------------------------------------------
 
 
-def _staging_name(step: int) -> str:
-    return f".tmp-{checkpoint_name(step)}"
-
-
 def save_checkpoint(
     folder: str | Path,
     step: int,
@@ -174,33 +172,37 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint for ``step`` atomically (see the module docstring).
 
-    Called by every process of a run: each writes its RNG state, the main process (rank 0)
-    everything else, then renames the folder into place and prunes old checkpoints.
+    Called by every process of a run: each writes its RNG state to a hidden folder shared by
+    the processes, then the main process (rank 0) writes the checkpoint through
+    :func:`hf_rope_ext.files.atomic_directory`, moves the RNG states in, and prunes old checkpoints.
     """
     folder = Path(folder)
     final = folder / checkpoint_name(step)
-    staging = folder / _staging_name(step)
+    # The staging folder of atomic_directory has a random name only rank 0 knows: the other
+    # processes put their RNG states in this fixed-name folder, and rank 0 moves them in.
+    rng_folder = folder / f".{checkpoint_name(step)}{RNG_STAGING_SUFFIX}"
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
-        if staging.exists():  # left by a run killed while saving this step
-            shutil.rmtree(staging)
-        staging.mkdir()
+        shutil.rmtree(rng_folder, ignore_errors=True)  # left by a run killed while saving this step
+        rng_folder.mkdir()
     barrier()
     rng_tensors, rng_meta = rng_state()
-    save_file(rng_tensors, str(staging / f"rng-rank{rank}.safetensors"))
-    atomic_write_json(staging / f"rng-rank{rank}.json", rng_meta)
-    if rank == 0:
-        save_file({name: _contiguous_cpu(tensor) for name, tensor in trainable.items()}, str(staging / "trainable.safetensors"))
-        optimizer_tensors, optimizer_meta = optimizer_state_tensors(optimizer, param_names)
-        save_file(optimizer_tensors, str(staging / "optimizer.safetensors"))
-        atomic_write_json(staging / "optimizer.json", optimizer_meta)
+    save_file(rng_tensors, str(rng_folder / f"rng-rank{rank}.safetensors"))
+    atomic_write_json(rng_folder / f"rng-rank{rank}.json", rng_meta)
     barrier()
     if rank == 0:
-        atomic_write_json(staging / STATE_FILE, {**trainer_state, "step": step, "world_size": world_size})
-        give_umask_permissions(staging)
-        if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it whole
-            shutil.rmtree(final)
-        os.replace(staging, final)
+        try:
+            # A checkpoint of the same step from an earlier attempt is replaced whole.
+            with atomic_directory(final) as staging:
+                save_file({name: _contiguous_cpu(tensor) for name, tensor in trainable.items()}, str(staging / "trainable.safetensors"))
+                optimizer_tensors, optimizer_meta = optimizer_state_tensors(optimizer, param_names)
+                save_file(optimizer_tensors, str(staging / "optimizer.safetensors"))
+                atomic_write_json(staging / "optimizer.json", optimizer_meta)
+                for path in rng_folder.iterdir():
+                    os.replace(path, staging / path.name)
+                atomic_write_json(staging / STATE_FILE, {**trainer_state, "step": step, "world_size": world_size})
+        finally:
+            shutil.rmtree(rng_folder, ignore_errors=True)
         logger.info("Saved checkpoint %s.", final)
         for _, old in list_checkpoints(folder)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)

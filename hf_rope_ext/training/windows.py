@@ -152,7 +152,7 @@ class PackedWindows:
                 raise ValueError(
                     f"{len(short)} document(s) are shorter than one training window of {window} tokens: "
                     f"{listing}{more}. Use longer documents, a smaller window, or skip short documents "
-                    "(skip_short_documents=True / --skip_short_documents)."
+                    "(skip_short_documents=True / --skip-short-documents)."
                 )
             logger.warning("Skipping %d document(s) shorter than a window of %d tokens: %s%s.", len(short), window, listing, more)
 

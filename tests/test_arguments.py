@@ -1,0 +1,107 @@
+"""One argument set for every entry point: dash spellings, the older spellings as hidden aliases."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from hf_rope_ext.arguments import add_option, argument_parser, check_attention_backend, model_label
+from hf_rope_ext.cli import build_parser
+from hf_rope_ext.training import add_finetune_arguments, config_from_args
+
+REPO = Path(__file__).resolve().parents[1]
+UNDERSCORE_OPTION = re.compile(r"--[a-z0-9-]*_")
+
+
+def example(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def finetune_parser() -> argparse.ArgumentParser:
+    parser = argument_parser()
+    add_finetune_arguments(parser)
+    return parser
+
+
+def subcommand_help(name: str) -> str:
+    parser = build_parser()
+    (subparsers,) = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+    return subparsers.choices[name].format_help()
+
+
+def test_hidden_aliases_parse_but_do_not_show():
+    parser = argument_parser()
+    add_option(parser, "--text-files", "--text-file", nargs="+")
+    assert parser.parse_args(["--text_files", "a", "b"]).text_files == ["a", "b"]
+    assert parser.parse_args(["--text-file", "a"]).text_files == ["a"]
+    help_text = parser.format_help()
+    assert "--text-files" in help_text and "--text_files" not in help_text and "--text-file " not in help_text
+    with pytest.raises(ValueError, match="dashes"):
+        add_option(parser, "--output_dir")
+
+
+def test_finetune_old_and_new_spellings_give_the_same_config(tmp_path):
+    new = ["--model", "m", "--output-dir", str(tmp_path), "--text-files", "a.txt", "b.txt", "--scale", "4", "--pose",
+           "--lora-rank", "8", "--no-shuffle", "--attn-implementation", "eager", "--lora-target-modules", "q_proj", "v_proj"]
+    old = ["--model", "m", "--output_dir", str(tmp_path), "--text_files", "a.txt", "b.txt", "--scale", "4", "--pose",
+           "--lora_rank", "8", "--no_shuffle", "--attn_implementation", "eager", "--lora_target_modules", "q_proj", "v_proj"]
+    parser = finetune_parser()
+    config = config_from_args(parser.parse_args(new))
+    assert config == config_from_args(parser.parse_args(old))
+    assert config.text_files == ["a.txt", "b.txt"] and config.output_dir == str(tmp_path)
+    assert config.pose is True and config.shuffle is False and config.lora_rank == 8
+    assert config.lora_target_modules == ["q_proj", "v_proj"]
+    # the dataclass defaults, through the command line
+    defaults = config_from_args(parser.parse_args(["--model", "m", "--output-dir", "o", "--scale", "2"]))
+    assert defaults.text_files is None and defaults.save_merged is True and defaults.dataset_split == "train"
+    assert config_from_args(parser.parse_args(["--model", "m", "--output-dir", "o", "--scale", "2", "--pose", "false"])).pose is False
+
+
+@pytest.mark.parametrize("name", ["eval", "demo", "card"])
+def test_cli_help_shows_dash_spellings_only(name):
+    help_text = subcommand_help(name)
+    assert not UNDERSCORE_OPTION.findall(help_text), UNDERSCORE_OPTION.findall(help_text)
+    if name != "card":
+        assert "--text-files" in help_text and "--text-file " not in help_text
+
+
+def test_eval_accepts_every_spelling_of_text_files():
+    parser = build_parser()
+    for spelling in ("--text-files", "--text-file", "--text_file", "--text_files"):
+        args = parser.parse_args(["eval", spelling, "a.txt", "--output_dir", "out"])
+        assert args.text_file == [Path("a.txt")] and args.output_dir == Path("out")
+
+
+def test_finetune_help_shows_dash_spellings_only():
+    help_text = finetune_parser().format_help()
+    assert not UNDERSCORE_OPTION.findall(help_text), UNDERSCORE_OPTION.findall(help_text)
+
+
+@pytest.mark.parametrize("name", ["eval_long_context", "run_results_table"])
+def test_examples_accept_the_old_spellings(name, capsys):
+    module = example(name)
+    args = module.parse_args(["--text_file", "book.txt", "--output_dir", "out", "--ppl_lengths", "4096",
+                              "--steps_per_doubling", "exact", "--attn_implementation", "eager"])
+    assert module.parse_args(["--text-files", "book.txt", "--output-dir", "out", "--ppl-lengths", "4096",
+                              "--steps-per-doubling", "exact", "--attn-implementation", "eager"]) == args
+    assert args.text_files == [Path("book.txt")] and args.attn_implementation == "eager"
+    with pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    assert "--text-files" in help_text and not UNDERSCORE_OPTION.findall(help_text)
+
+
+def test_one_alias_map_and_backend_check():
+    assert model_label("SmolLM2") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert model_label("org/name") == "org/name"
+    check_attention_backend("sdpa")  # nothing to check
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ValueError, match="flash_attn"):
+            check_attention_backend("flash_attention_2")
