@@ -36,6 +36,7 @@ from hf_rope_ext.arguments import (
 )
 from hf_rope_ext.data import read_text, tokenize
 from hf_rope_ext.evaluation.perplexity import bucket_perplexity
+from hf_rope_ext.evaluation.records import read_records
 from hf_rope_ext.files import atomic_write_text
 from hf_rope_ext.loading import load_model
 
@@ -54,17 +55,6 @@ def parse_configuration(text: str) -> tuple[str, dict]:
         except json.JSONDecodeError:
             raise SystemExit(f"error: configuration {text!r}: value {value!r} is not a number, true/false or null") from None
     return method.strip(), params
-
-
-def read_records(path: Path) -> list[dict]:
-    """The finished configurations in ``path``; a line cut by an interrupted run is skipped."""
-    records = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            logger.warning("skipping an incomplete line of %s (an interrupted run); it is computed again", path)
-    return records
 
 
 def main() -> None:

@@ -32,7 +32,8 @@ from hf_rope_ext.arguments import (
     model_label,
 )
 from hf_rope_ext.evaluation import EvalPlan, run_evaluation
-from hf_rope_ext.evaluation.runner import documents_from_files, parse_steps_per_doubling
+from hf_rope_ext.evaluation.documents import documents_from_files
+from hf_rope_ext.evaluation.records import parse_steps_per_doubling
 from hf_rope_ext.loading import load_model
 from hf_rope_ext.patching import DEFAULT_STEPS_PER_DOUBLING
 

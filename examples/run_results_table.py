@@ -40,7 +40,8 @@ import logging
 from hf_rope_ext import DEFAULT_METHOD
 from hf_rope_ext.evaluation import EvalPlan, run_evaluation
 from hf_rope_ext.evaluation.report import comparison_table, state_label
-from hf_rope_ext.evaluation.runner import documents_from_files, parse_steps_per_doubling, recorded_steps
+from hf_rope_ext.evaluation.documents import documents_from_files
+from hf_rope_ext.evaluation.records import parse_steps_per_doubling, recorded_steps
 from hf_rope_ext.arguments import (
     add_attn_implementation_argument,
     add_device_arguments,

@@ -242,7 +242,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     )  # fmt: skip
     plan.validate(None)
     if plan.required_document_tokens() and not (args.text_file or args.dataset):
-        raise EvaluationError("Perplexity needs documents: pass --text-file FILE (or --dataset NAME).")
+        raise EvaluationError("Perplexity needs documents: pass --text-files FILE (or --dataset NAME).")
     native_context = _native_context(args.model)
     plan.validate(native_context)  # before the model is loaded: bad input fails fast
     model, tokenizer = _load(args)
@@ -269,7 +269,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     _check_environment(args)
     if not (args.text_file or args.dataset):
         raise EvaluationError(
-            "The demo needs a long text (over 10k tokens) for perplexity: pass --text-file FILE, e.g. a Project "
+            "The demo needs a long text (over 10k tokens) for perplexity: pass --text-files FILE, e.g. a Project "
             "Gutenberg book, or --dataset emozilla/pg19-test on a machine with Hub access."
         )
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") or (

@@ -30,7 +30,7 @@ def check_documents(plan: EvalPlan, documents: Mapping[str, torch.Tensor],
     those lengths, named in the error)."""
     needed = plan.required_document_tokens()
     if needed and not documents:
-        raise EvaluationError("Perplexity needs at least one document: pass --text-file (or --dataset).")
+        raise EvaluationError("Perplexity needs at least one document: pass --text-files (or --dataset).")
     short = {name: len(ids) for name, ids in documents.items() if len(ids) < needed}
     if short:
         listing = ", ".join(f"{name} ({count} tokens)" for name, count in short.items())

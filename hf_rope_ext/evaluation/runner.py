@@ -44,10 +44,6 @@ from .records import (
 from .report import write_reports
 from .retrieval import retrieval_accuracy
 
-# The example scripts import these from here; they live in .documents and .records.
-from .documents import documents_from_dataset, documents_from_files  # noqa: F401
-from .records import parse_steps_per_doubling  # noqa: F401
-
 logger = logging.getLogger(__name__)
 
 __all__ = ["EvalPlan", "EvaluationError", "ResultStore", "run_evaluation", "case_key"]
