@@ -41,7 +41,7 @@ import torch
 
 from .. import get_method, get_patch_info, patch_model
 from ..patching import whole_token_scale
-from .. import config_io
+from ..spec import PatchSpec
 from ..files import give_umask_permissions, staging_dir
 from . import checkpoint as ckpt
 from .lora import LoraSettings, apply_lora
@@ -292,21 +292,14 @@ def _load_base(config: FinetuneConfig, path: str, device: torch.device, quantize
 
 def _rope_patch_record(model) -> dict[str, Any]:
     """The patch as :mod:`hf_rope_ext.config_io` records it in the config (JSON-ready)."""
-    if get_patch_info(model) is None:
+    spec = get_patch_info(model)
+    if spec is None:
         raise RuntimeError("The model is not patched.")
-    return config_io.read_record(model.config)
+    return spec.to_record()
 
 
 def _patch_from_record(model, record: dict[str, Any]) -> None:
-    extra = {"steps_per_doubling": record["steps_per_doubling"]} if "steps_per_doubling" in record else {}
-    patch_model(
-        model,
-        record["scale"],
-        record["method"],
-        original_max_length=record["original_max_position_embeddings"],
-        **extra,
-        **record["params"],
-    )
+    PatchSpec.from_record(record, source=ROPE_PATCH_FILE).apply(model)
 
 
 def load_adapter_model(base_model: str, adapter_dir: str | os.PathLike, *, dtype: str = "fp32", attn_implementation: str = "sdpa"):
