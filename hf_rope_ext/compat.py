@@ -1,7 +1,7 @@
 """Everything that depends on the transformers version, in one place.
 
 Tested with transformers 5.x, where all RoPE settings live in ``config.rope_parameters`` and the
-KV cache is a ``Cache`` holding one layer object per decoder layer (``cache.layers[i].keys``).
+KV cache is a ``transformers.cache_utils.Cache``.
 """
 
 from __future__ import annotations
@@ -16,17 +16,10 @@ from packaging import version
 
 logger = logging.getLogger(__name__)
 
-TRANSFORMERS_VERSION = version.parse(transformers.__version__)
 MIN_TRANSFORMERS = version.parse("5.0.0")
 
 try:
-    from transformers.cache_utils import (
-        Cache,
-        DynamicLayer,
-        DynamicSlidingWindowLayer,
-        StaticLayer,
-        StaticSlidingWindowLayer,
-    )
+    from transformers.cache_utils import Cache
 except ImportError as error:  # pragma: no cover - only on unsupported versions
     raise ImportError(
         f"hf_rope_ext needs transformers >= {MIN_TRANSFORMERS} (found {transformers.__version__}): "
@@ -121,46 +114,6 @@ _MISSING = object()
 
 def is_cache(obj: Any) -> bool:
     return isinstance(obj, Cache)
-
-
-def cache_layers(cache: Any) -> list[Any]:
-    """The per-layer cache objects that hold rotated keys."""
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise TypeError(
-            f"{type(cache).__name__} has no per-layer `layers`; hf_rope_ext re-rotates keys of transformers' "
-            "DynamicCache and StaticCache only."
-        )
-    return list(layers)
-
-
-def layer_slot_positions(layer: Any, positions: torch.Tensor) -> tuple[torch.Tensor, slice] | None:
-    """Map the position log of a cache onto one layer's key slots.
-
-    ``positions`` is ``(batch, n_written)``: the position id of every token written so far, in
-    writing order. Returns ``(slot_positions, slot_range)`` for the slots holding keys, or None
-    if the layer is empty.
-    """
-    keys = getattr(layer, "keys", None)
-    if keys is None or keys.numel() == 0 or not getattr(layer, "is_initialized", True):
-        return None
-    n_written = positions.shape[-1]
-    n_slots = keys.shape[-2]
-    if isinstance(layer, StaticSlidingWindowLayer):
-        raise TypeError(
-            "Length-dependent RoPE methods cannot re-rotate a static sliding-window cache (a ring buffer); "
-            "use the default dynamic cache or a static method (linear, ntk, yarn, llama3)."
-        )
-    if isinstance(layer, DynamicSlidingWindowLayer):  # keeps the most recent tokens
-        return positions[:, n_written - n_slots :], slice(0, n_slots)
-    if isinstance(layer, StaticLayer):  # preallocated; slots are filled in writing order
-        return positions, slice(0, n_written)
-    if type(layer) is DynamicLayer:  # noqa: E721 - subclasses (quantized, indexed) store keys differently
-        return positions[:, :n_slots], slice(0, n_slots)  # `crop` removes tokens from the end
-    raise TypeError(
-        f"Length-dependent RoPE methods cannot re-rotate keys held by {type(layer).__name__}; "
-        "use DynamicCache or StaticCache, or a static method (linear, ntk, yarn, llama3)."
-    )
 
 
 def planned_generation_length(model: Any, args: tuple, kwargs: dict) -> int | None:
