@@ -604,9 +604,11 @@ def llama_cpp_longrope(patch: PatchSpec, model_type: str | None = None) -> Runti
 def llama_cpp_self_extend(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:
     remap = patch.rope_method.attention(patch.resolved_params())
     # llama.cpp's grouped attention: the same idea (group factor n, neighbour width w), applied by
-    # shifting cached positions block by block; w must be a multiple of n there.
-    width = max(remap.group_size, (remap.neighbor_window // remap.group_size) * remap.group_size)
-    args = ("--grp-attn-n", str(remap.group_size), "--grp-attn-w", str(width), "--ctx-size", str(patch.extended_context))
+    # shifting cached positions block by block; w must be a multiple of n there. It has one group
+    # size: without a fixed one, the patch's group for the last position of the context.
+    group = remap.group_for(patch.extended_context - 1)
+    width = max(group, (remap.neighbor_window // group) * group)
+    args = ("--grp-attn-n", str(group), "--grp-attn-w", str(width), "--ctx-size", str(patch.extended_context))
     note = (
         "llama-cli's grouped attention (Self-Extend) takes a group factor and a width that must be a multiple of "
         f"it ({width} here, the patch uses a neighbour window of {remap.neighbor_window}); it regroups cached "
