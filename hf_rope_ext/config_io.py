@@ -1,5 +1,7 @@
 """How a patch is written into a transformers config, and read back.
 
+(Just over 400 lines: the convention, its writer for this package's own types and its checks in one place.)
+
 The convention (the same in memory, in a saved ``config.json`` and on the Hub):
 
 * ``rope_parameters`` describes the patched frequencies in transformers' own vocabulary
@@ -149,7 +151,8 @@ def rope_config_for(
     if method.rope_parameters is not None:
         rope = method.rope_parameters(params, base, rotary_dim)
     else:
-        own = {key: _json_value(value) for key, value in params.items() if key not in COMMON_PARAMS and value is not None}
+        own = {key: _json_value(value) for key, value in params.items()
+               if key not in COMMON_PARAMS and value is not None}  # fmt: skip
         rope = {
             "rope_type": custom_rope_type(method),
             "rope_theta": base,

@@ -157,7 +157,8 @@ def _patch_of(
             raise ValueError("Give method/scale/parameters or a described patch, not both.")
         if source.original_rope_theta is None or source.rotary_dim is None:
             raise ValueError(
-                "This patch has no rope_theta/rotary_dim; describe it with describe_patch(...) or pass the patched model."
+                "This patch has no rope_theta/rotary_dim; describe it with describe_patch(...) or pass the patched "
+                "model."
             )
         return source, None
     config = getattr(source, "config", source) if isinstance(source, nn.Module) else source
@@ -316,7 +317,8 @@ def _full_length_ntk_base(patch: PatchSpec) -> float:
 # ----------------------------------------------------------------------------------------------
 
 _VLLM_LINEAR_NOTE = (
-    "vLLM derives the maximum length of `linear` as max_position_embeddings x factor; --max-model-len sets the real one."
+    "vLLM derives the maximum length of `linear` as max_position_embeddings x factor; --max-model-len sets "
+    "the real one."
 )
 
 

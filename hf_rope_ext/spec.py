@@ -234,7 +234,8 @@ class PatchSpec:
             raise ValueError(f"steps_per_doubling only applies to length-dependent methods; {method!r} is static.")
         else:
             steps = None
-        return cls(method, scale, original, dict(params), steps, logn_attention, rope_theta, rotary_dim, dict(kept or {}))
+        kept = dict(kept or {})
+        return cls(method, scale, original, dict(params), steps, logn_attention, rope_theta, rotary_dim, kept)
 
     def bound_to(self, rotary_dim: int, rope_theta: float, kept: Mapping[str, Any], module_name: str = "") -> PatchSpec:
         """This spec for a model with these RoPE facts; refuses a spec made for another model."""
