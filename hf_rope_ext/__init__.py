@@ -15,12 +15,14 @@ from . import methods as _methods
 from .cache_consistency import planned_length
 from .methods import RopeMethod, get_method, list_methods
 from .patching import DEFAULT_METHOD, PatchInfo, get_patch_info, patch_model, patched, unpatch_model
+from .spec import PatchSpec
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_METHOD",
     "PatchInfo",
+    "PatchSpec",
     "RopeMethod",
     "get_method",
     "get_patch_info",

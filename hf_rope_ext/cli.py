@@ -15,7 +15,7 @@ import sys
 # subcommand -> module providing add_parser(subparsers)
 SUBCOMMANDS = {
     "methods": "hf_rope_ext.cli",
-    "runtimes": "hf_rope_ext.hub",
+    "runtimes": "hf_rope_ext.cli_runtimes",
     "card": "hf_rope_ext.model_card",
     "eval": "hf_rope_ext.evaluation.cli",
     "demo": "hf_rope_ext.evaluation.cli",

@@ -1,7 +1,7 @@
 """Everything that depends on the transformers version, in one place.
 
 Tested with transformers 5.x, where all RoPE settings live in ``config.rope_parameters`` and the
-KV cache is a ``Cache`` holding one layer object per decoder layer (``cache.layers[i].keys``).
+KV cache is a ``transformers.cache_utils.Cache``.
 """
 
 from __future__ import annotations
@@ -16,17 +16,10 @@ from packaging import version
 
 logger = logging.getLogger(__name__)
 
-TRANSFORMERS_VERSION = version.parse(transformers.__version__)
 MIN_TRANSFORMERS = version.parse("5.0.0")
 
 try:
-    from transformers.cache_utils import (
-        Cache,
-        DynamicLayer,
-        DynamicSlidingWindowLayer,
-        StaticLayer,
-        StaticSlidingWindowLayer,
-    )
+    from transformers.cache_utils import Cache
 except ImportError as error:  # pragma: no cover - only on unsupported versions
     raise ImportError(
         f"hf_rope_ext needs transformers >= {MIN_TRANSFORMERS} (found {transformers.__version__}): "

@@ -1,5 +1,7 @@
 """How a patch is written into a transformers config, and read back.
 
+(Just over 400 lines: the convention, its writer for this package's own types and its checks in one place.)
+
 The convention (the same in memory, in a saved ``config.json`` and on the Hub):
 
 * ``rope_parameters`` describes the patched frequencies in transformers' own vocabulary
@@ -24,11 +26,14 @@ The convention (the same in memory, in a saved ``config.json`` and on the Hub):
 * Known disagreement: for ``linear`` vLLM derives the maximum length as
   ``max_position_embeddings * factor`` (original * scale**2 here), while llama.cpp takes
   ``max_position_embeddings`` itself; pass ``--max-model-len`` to vLLM
-  (:func:`hf_rope_ext.hub.runtime_settings` prints it).
+  (:func:`hf_rope_ext.runtimes.runtime_settings` prints it).
 * ``config.hf_rope_ext`` records the patch (method, scale, parameters, original context and
-  ``rope_theta``, ``steps_per_doubling``) so a saved checkpoint can be re-patched exactly
-  (:func:`verify_record` checks that it agrees with ``rope_parameters``) and described in a
-  model card.
+  ``rope_theta``, ``steps_per_doubling``; :meth:`hf_rope_ext.spec.PatchSpec.to_record`) so a
+  saved checkpoint can be re-patched exactly (:func:`verify_record` checks that it agrees with
+  ``rope_parameters``) and described in a model card.
+
+Each method writes its own ``rope_parameters`` (``RopeMethod.rope_parameters`` in
+:mod:`hf_rope_ext.methods`); this module writes this package's own rope type for the others.
 
 Sources read for the runtime side: vLLM ``vllm/config/model.py`` (``_get_and_verify_max_len``)
 and ``vllm/model_executor/layers/rotary_embedding/__init__.py`` (``get_rope``); llama.cpp
@@ -49,9 +54,7 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -67,6 +70,8 @@ from .methods import (
     resolve_params,
 )
 from .rotary import effective_length
+from .spec import PatchSpec, RecordError, extended_length
+from .validation import is_real
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +80,23 @@ CUSTOM_ROPE_TYPE_PREFIX = "hf_rope_ext."
 # Appended to the rope_type of built-in methods: transformers' KeyError shows the string verbatim.
 INSTALL_HINT = " (needs `pip install hf-rope-ext` and `import hf_rope_ext` before loading)"
 
-_RECORD_KEYS = ("method", "scale", "original_max_position_embeddings", "original_rope_theta", "params")
+# The one patch type; the name under which model cards and older code import it.
+RecordedPatch = PatchSpec
 
-
-def extended_length(original: int, scale: float) -> int:
-    """The extended context ``original * scale`` in tokens.
-
-    ``patch_model`` makes ``original * scale`` a whole number (up to float rounding, absorbed
-    here); a fractional product, from checkpoints written before that rule, is rounded up as
-    they were.
-    """
-    return int(math.ceil(original * scale - 1e-6))
+__all__ = [
+    "RECORD_ATTRIBUTE",
+    "check_rope_spellings",
+    "custom_rope_type",
+    "extended_length",
+    "legacy_fields",
+    "method_from_rope_type",
+    "read_record",
+    "register_with_transformers",
+    "rope_config_for",
+    "rotary_dim_of",
+    "unregister_from_transformers",
+    "verify_record",
+]
 
 
 def _bare_rope_type(method: RopeMethod) -> str:
@@ -133,108 +144,45 @@ def rope_config_for(
 
     ``params`` are the resolved parameters (with ``factor`` and
     ``original_max_position_embeddings``); ``extra`` holds keys of the model's original
-    ``rope_parameters`` to keep (``partial_rotary_factor``).
+    ``rope_parameters`` to keep (``partial_rotary_factor``). The method's own writer gives
+    transformers' vocabulary; methods without one get this package's rope type.
     """
-    scale = params["factor"]
     original = int(params["original_max_position_embeddings"])
-    extended = extended_length(original, scale)
-    native = method.transformers_rope_type
-    own = {key: _json_value(value) for key, value in params.items() if key not in COMMON_PARAMS and value is not None}
-
-    if native == "default":  # ntk: plain RoPE with the raised base the method computes
-        scaled_base = base * scale ** (rotary_dim / (rotary_dim - 2))
-        rope = {"rope_type": "default", "rope_theta": scaled_base}
-    elif native == "linear":
-        rope = {"rope_type": "linear", "rope_theta": base, "factor": scale}
-    elif native == "dynamic":
-        rope = {"rope_type": "dynamic", "rope_theta": base, "factor": scale}
-    elif native == "longrope":
-        half = rotary_dim // 2
-        rope = {
-            "rope_type": "longrope",
-            "rope_theta": base,
-            "factor": scale,
-            "original_max_position_embeddings": original,
-            "long_factor": own["long_factor"],
-            "short_factor": own.get("short_factor", [1.0] * half),
-        }
-        if "attention_factor" in own:
-            rope["attention_factor"] = float(own["attention_factor"])
-    elif native in ("yarn", "llama3"):
-        rope = {"rope_type": native, "rope_theta": base, "factor": scale, "original_max_position_embeddings": original}
-        rope.update(own)
-        if "attention_factor" in rope:
-            rope["attention_factor"] = float(rope["attention_factor"])  # transformers wants a float
+    if method.rope_parameters is not None:
+        rope = method.rope_parameters(params, base, rotary_dim)
     else:
+        own = {key: _json_value(value) for key, value in params.items()
+               if key not in COMMON_PARAMS and value is not None}  # fmt: skip
         rope = {
             "rope_type": custom_rope_type(method),
             "rope_theta": base,
-            "factor": scale,
+            "factor": params["factor"],
             "original_max_position_embeddings": original,
             **own,
         }
     rope.update(extra)
     # See the module docstring: "dynamic" types start scaling beyond max_position_embeddings.
-    max_positions = original if "dynamic" in rope["rope_type"] else extended
+    max_positions = original if "dynamic" in rope["rope_type"] else extended_length(original, params["factor"])
     return rope, max_positions
 
 
-def patch_record(
-    method: RopeMethod, params: Mapping[str, Any], base: float, steps_per_doubling: int | None
-) -> dict[str, Any]:
-    """The ``config.hf_rope_ext`` entry: enough to rebuild the patch exactly."""
-    from . import __version__
-
-    record = {
-        "method": method.name,
-        "scale": params["factor"],
-        "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
-        "original_rope_theta": base,
-        "params": {key: _json_value(value) for key, value in params.items() if key not in COMMON_PARAMS},
-        "version": __version__,
+def legacy_fields(rope: Mapping[str, Any]) -> dict[str, Any]:
+    """``rope_scaling`` / ``rope_theta`` as transformers 4.x (and runtimes built on it) read them."""
+    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    fields = {
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": None if scaling.get("rope_type") == "default" else scaling,
     }
-    if method.length_dependent:
-        record["steps_per_doubling"] = steps_per_doubling
-    return record
+    if scaling.get("rope_type") == "longrope":
+        # transformers 4.x takes longrope's original context from this top-level key (the Phi-3
+        # layout) and otherwise from max_position_embeddings; transformers 5 gives it priority.
+        fields["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
+    return fields
 
 
 # ----------------------------------------------------------------------------------------------
 # Reading a record back
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RecordedPatch:
-    """A ``config.hf_rope_ext`` record that agrees with the config's RoPE fields."""
-
-    method: RopeMethod
-    scale: float
-    original_max_position_embeddings: int
-    original_rope_theta: float
-    rotary_dim: int
-    params: dict[str, Any]  # the method's own parameters, defaults filled in
-    steps_per_doubling: int | None = None
-    kept: dict[str, Any] = field(default_factory=dict)  # original rope keys the patch keeps
-    logn_attention: bool = False
-
-    @property
-    def extended_context(self) -> int:
-        return extended_length(self.original_max_position_embeddings, self.scale)
-
-    def resolved_params(self) -> dict[str, Any]:
-        """The parameters as :func:`rope_config_for` and ``method.compute`` take them."""
-        return {
-            **self.params,
-            "factor": self.scale,
-            "original_max_position_embeddings": self.original_max_position_embeddings,
-        }
-
-    def original_rope_config(self) -> tuple[dict[str, Any], int]:
-        """``(rope_parameters, max_position_embeddings)`` of the model before the patch."""
-        return (
-            {"rope_type": "default", "rope_theta": self.original_rope_theta, **self.kept},
-            self.original_max_position_embeddings,
-        )
 
 
 def rotary_dim_of(config: Any, rope: Mapping[str, Any] | None = None) -> int:
@@ -255,7 +203,7 @@ def _record_error(config: Any, problem: str) -> ValueError:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    return is_real(value) and math.isfinite(value)
 
 
 def _differences(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
@@ -288,7 +236,7 @@ def _normalized_rope_type(rope_type: Any) -> Any:
     return rope_type
 
 
-def verify_record(config: Any) -> RecordedPatch | None:
+def verify_record(config: Any) -> PatchSpec | None:
     """Read ``config.hf_rope_ext`` and check it against ``rope_parameters``.
 
     Returns None when the config has no record (a checkpoint not written by this package).
@@ -300,50 +248,15 @@ def verify_record(config: Any) -> RecordedPatch | None:
     record = getattr(config, RECORD_ATTRIBUTE, None)
     if record is None:
         return None
-    if not isinstance(record, Mapping):
-        raise _record_error(config, f"must be a JSON object, got {type(record).__name__}.")
-    missing = [key for key in _RECORD_KEYS if key not in record]
-    if missing:
-        raise _record_error(config, f"lacks {missing}.")
-    try:
-        method = get_method(record["method"])
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"config.json was written with hf_rope_ext method {record['method']!r}, which is not registered in this "
-            "process. Register it with hf_rope_ext.register_method (same name, same frequency function) before "
-            f"loading. ({error})"
-        ) from None
-    scale = record["scale"]
-    original = record["original_max_position_embeddings"]
-    base = record["original_rope_theta"]
-    if not _number(scale) or scale <= 1:
-        raise _record_error(config, f"has scale={scale!r}; it must be a number > 1.")
-    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
-        raise _record_error(config, f"has original_max_position_embeddings={original!r}; it must be an integer > 0.")
-    if not _number(base) or base <= 0:
-        raise _record_error(config, f"has original_rope_theta={base!r}; it must be a number > 0.")
-    if not isinstance(record["params"], Mapping):
-        raise _record_error(config, f"has params={record['params']!r}; it must be a JSON object.")
-
     rope = compat.rope_parameters(config)
     rotary_dim = rotary_dim_of(config, rope)
     kept = {key: rope[key] for key in ("partial_rotary_factor",) if key in rope}
     try:
-        params = resolve_params(method, rotary_dim, record["params"])
-    except (TypeError, ValueError) as error:
-        raise _record_error(config, f"has parameters method {method.name!r} does not accept: {error}") from None
-
-    steps = record.get("steps_per_doubling")
-    if method.length_dependent:
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
-            raise _record_error(config, f"has steps_per_doubling={steps!r}; it must be a positive integer or null.")
-    elif steps is not None:
-        raise _record_error(config, f"has steps_per_doubling={steps!r}, but {method.name!r} is a static method.")
-
-    logn = record.get("logn_attention", False)
-    if not isinstance(logn, bool):
-        raise _record_error(config, f"has logn_attention={logn!r}; it must be true or false.")
-    recorded = RecordedPatch(method, float(scale), original, float(base), rotary_dim, params, steps, kept, logn)
+        recorded = PatchSpec.from_record(record, rotary_dim=rotary_dim, kept=kept)
+    except RecordError as error:
+        raise _record_error(config, error.problem) from None
+    method, scale, original = recorded.rope_method, recorded.scale, recorded.original_max_position_embeddings
+    base = recorded.original_rope_theta
     expected_rope, expected_max_positions = rope_config_for(method, recorded.resolved_params(), base, rotary_dim, kept)
     problems = _differences(expected_rope, rope)
     if config.max_position_embeddings != expected_max_positions:
@@ -404,12 +317,9 @@ def check_rope_spellings(raw: Mapping[str, Any], source: str) -> None:
 
 
 def read_record(config: Any) -> dict[str, Any] | None:
+    """The config's ``hf_rope_ext`` record as written, unchecked (:func:`verify_record` checks it)."""
     record = getattr(config, RECORD_ATTRIBUTE, None)
     return dict(record) if isinstance(record, Mapping) else None
-
-
-def method_of_record(record: Mapping[str, Any]) -> RopeMethod:
-    return get_method(record["method"])
 
 
 # ----------------------------------------------------------------------------------------------

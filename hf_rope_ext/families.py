@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class FamilyInfo:
-    uses_rope: bool
     supported: bool
     tested: bool = False
     note: str = ""
@@ -22,33 +21,33 @@ class FamilyInfo:
 FAMILIES: dict[str, FamilyInfo] = {
     # Tested in tests/ on tiny random models: one `model.rotary_emb`, rotate-half layout,
     # keys cached after rotation.
-    "llama": FamilyInfo(True, True, tested=True, note="one rotary module for all layers"),
-    "mistral": FamilyInfo(True, True, tested=True, note="sliding-window layers share the same cos/sin"),
-    "qwen2": FamilyInfo(True, True, tested=True, note="optional sliding window on some layers"),
-    "qwen3": FamilyInfo(True, True, tested=True, note="q/k RMSNorm before RoPE; does not change RoPE itself"),
-    "gemma": FamilyInfo(True, True, tested=True, note="one rotary module for all layers"),
-    "granite": FamilyInfo(True, True, tested=True, note="Llama layout with extra multipliers"),
-    "olmo2": FamilyInfo(True, True, tested=True, note="q/k norm before RoPE"),
-    "starcoder2": FamilyInfo(True, True, tested=True, note="one rotary module for all layers"),
-    "qwen3_moe": FamilyInfo(True, True, tested=True, note="mixture-of-experts MLP; same rotary module"),
-    "stablelm": FamilyInfo(True, True, tested=True, note="partial rotary dimension (partial_rotary_factor)"),
-    "gpt_neox": FamilyInfo(True, True, tested=True, note="partial rotary dimension (rotary_pct)"),
-    "phi3": FamilyInfo(True, True, tested=True, note="its config accepts only rope_type longrope"),
+    "llama": FamilyInfo(True, tested=True, note="one rotary module for all layers"),
+    "mistral": FamilyInfo(True, tested=True, note="sliding-window layers share the same cos/sin"),
+    "qwen2": FamilyInfo(True, tested=True, note="optional sliding window on some layers"),
+    "qwen3": FamilyInfo(True, tested=True, note="q/k RMSNorm before RoPE; does not change RoPE itself"),
+    "gemma": FamilyInfo(True, tested=True, note="one rotary module for all layers"),
+    "granite": FamilyInfo(True, tested=True, note="Llama layout with extra multipliers"),
+    "olmo2": FamilyInfo(True, tested=True, note="q/k norm before RoPE"),
+    "starcoder2": FamilyInfo(True, tested=True, note="one rotary module for all layers"),
+    "qwen3_moe": FamilyInfo(True, tested=True, note="mixture-of-experts MLP; same rotary module"),
+    "stablelm": FamilyInfo(True, tested=True, note="partial rotary dimension (partial_rotary_factor)"),
+    "gpt_neox": FamilyInfo(True, tested=True, note="partial rotary dimension (rotary_pct)"),
+    "phi3": FamilyInfo(True, tested=True, note="its config accepts only rope_type longrope"),
     # Known not to fit.
-    "gpt2": FamilyInfo(False, False, note="learned absolute position embeddings, no RoPE"),
-    "gpt_neo": FamilyInfo(False, False, note="learned absolute position embeddings, no RoPE"),
-    "opt": FamilyInfo(False, False, note="learned absolute position embeddings, no RoPE"),
-    "bert": FamilyInfo(False, False, note="absolute position embeddings, no RoPE"),
-    "t5": FamilyInfo(False, False, note="relative position bias, no RoPE"),
-    "bloom": FamilyInfo(False, False, note="ALiBi attention biases, no RoPE"),
-    "mpt": FamilyInfo(False, False, note="ALiBi attention biases, no RoPE"),
-    "gptj": FamilyInfo(True, False, note="RoPE computed inside attention on interleaved pairs"),
-    "codegen": FamilyInfo(True, False, note="RoPE computed inside attention on interleaved pairs"),
-    "cohere": FamilyInfo(True, False, note="interleaved (repeat_interleave) cos/sin layout"),
-    "gemma3": FamilyInfo(True, False, note="separate RoPE settings for local and global layers"),
-    "gemma3_text": FamilyInfo(True, False, note="separate RoPE settings for local and global layers"),
-    "qwen2_vl": FamilyInfo(True, False, note="multimodal 3-D RoPE (mrope)"),
-    "qwen2_5_vl": FamilyInfo(True, False, note="multimodal 3-D RoPE (mrope)"),
+    "gpt2": FamilyInfo(False, note="learned absolute position embeddings, no RoPE"),
+    "gpt_neo": FamilyInfo(False, note="learned absolute position embeddings, no RoPE"),
+    "opt": FamilyInfo(False, note="learned absolute position embeddings, no RoPE"),
+    "bert": FamilyInfo(False, note="absolute position embeddings, no RoPE"),
+    "t5": FamilyInfo(False, note="relative position bias, no RoPE"),
+    "bloom": FamilyInfo(False, note="ALiBi attention biases, no RoPE"),
+    "mpt": FamilyInfo(False, note="ALiBi attention biases, no RoPE"),
+    "gptj": FamilyInfo(False, note="RoPE computed inside attention on interleaved pairs"),
+    "codegen": FamilyInfo(False, note="RoPE computed inside attention on interleaved pairs"),
+    "cohere": FamilyInfo(False, note="interleaved (repeat_interleave) cos/sin layout"),
+    "gemma3": FamilyInfo(False, note="separate RoPE settings for local and global layers"),
+    "gemma3_text": FamilyInfo(False, note="separate RoPE settings for local and global layers"),
+    "qwen2_vl": FamilyInfo(False, note="multimodal 3-D RoPE (mrope)"),
+    "qwen2_5_vl": FamilyInfo(False, note="multimodal 3-D RoPE (mrope)"),
 }
 
 

@@ -1,5 +1,7 @@
 """RoPE scaling methods: one pure frequency function per method, kept in a registry.
 
+(Over 400 lines: every method's formula, checks and config writer sit together, each written once.)
+
 Every method is a function with the same signature::
 
     compute(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None)
@@ -23,6 +25,7 @@ Frequencies are computed in float64 here; the rotary module casts them once, to 
 from __future__ import annotations
 
 import difflib
+import importlib
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -31,16 +34,27 @@ from typing import Any
 
 import torch
 
+from .validation import is_real
+
 __all__ = [
+    "RUNTIMES",
     "RopeMethod",
+    "default_inv_freq",
+    "dynamic_ntk_base",
     "get_method",
     "list_methods",
+    "ntk_base",
     "register_method",
     "unregister_method",
-    "default_inv_freq",
+    "yarn_mscale",
 ]
 
 ComputeFn = Callable[[int, float, Mapping[str, Any], "int | None"], "tuple[torch.Tensor, float]"]
+# (params with factor and original_max_position_embeddings, rope_theta, rotary_dim) -> rope_parameters
+RopeParametersFn = Callable[[Mapping[str, Any], float, int], dict]
+
+# Runtimes a method can declare a translator for (see RopeMethod.runtimes).
+RUNTIMES = ("vllm", "llama.cpp")
 
 # Method-name suffix that adds log-n attention (hf_rope_ext.attention.logn_factor) to any method.
 LOGN_SUFFIX = "+logn"
@@ -58,11 +72,22 @@ class RopeMethod:
         compute: the pure frequency function (see module docstring).
         defaults: the method's own parameters and their defaults. A default of ``None`` means
             "derived from the other parameters"; :data:`REQUIRED` means the user must give it.
-        length_dependent: the frequencies depend on the current length (dynamic methods). Such
-            methods keep the KV cache consistent by recomputing the cached states when the
-            frequencies change (:mod:`hf_rope_ext.cache_consistency`).
+        length_dependent: the frequencies depend on the current length (dynamic methods). The
+            patched model chooses them once for the length a sequence is planned to reach and
+            recomputes the cached states (a prefill) when it goes past it
+            (:mod:`hf_rope_ext.cache_consistency`).
         transformers_rope_type: the ``rope_type`` transformers implements natively with the same
             frequencies, or ``None``. ``"default"`` means "plain RoPE with another ``rope_theta``".
+        rope_parameters: writes the patch in transformers' vocabulary: a function of the
+            resolved parameters (with ``factor`` and ``original_max_position_embeddings``),
+            ``rope_theta`` and the rotary dimension, returning ``config.rope_parameters``. Needed
+            when ``transformers_rope_type`` is set; ``None`` writes this package's own rope type
+            ``"hf_rope_ext.<name>"`` (:mod:`hf_rope_ext.config_io`).
+        runtimes: runtime name (``"vllm"``, ``"llama.cpp"``) -> translator, a function
+            ``(spec, model_type) -> hf_rope_ext.runtimes.RuntimeCommand`` giving the settings
+            that run the patch there (``spec`` is a :class:`hf_rope_ext.spec.PatchSpec`,
+            ``model_type`` the transformers model type or None), or a ``"module:function"``
+            reference to one. A runtime without a translator is reported as unsupported.
         summary: one line for ``list_methods()`` and the README table.
         validate: optional check of the resolved parameters; raises ``ValueError``.
         attention: for attention-level methods, a function from the resolved parameters (with
@@ -80,6 +105,18 @@ class RopeMethod:
     summary: str = ""
     validate: Callable[[int, Mapping[str, Any]], None] | None = None
     attention: Callable[[Mapping[str, Any]], Any] | None = None
+    rope_parameters: RopeParametersFn | None = None
+    runtimes: Mapping[str, Callable[..., Any] | str] = field(default_factory=dict)
+
+    def translator(self, runtime: str) -> Callable[..., Any] | None:
+        """The method's translator for ``runtime`` (see ``runtimes``), or None if it declares none."""
+        if runtime not in RUNTIMES:
+            raise ValueError(f"Unknown runtime {runtime!r}; runtimes: {', '.join(RUNTIMES)}.")
+        found = self.runtimes.get(runtime)
+        if isinstance(found, str):  # "module:function", resolved on use (that module imports this one)
+            module, _, name = found.partition(":")
+            found = getattr(importlib.import_module(module), name)
+        return found
 
 
 class _Required:
@@ -99,9 +136,23 @@ def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base**exponents)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    # sqrt(1/t) = 0.1 * ln(s) + 1 (YaRN paper, eq. 22); 1 when nothing is interpolated.
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+def yarn_mscale(scale: float) -> float:
+    """YaRN's attention temperature ``sqrt(1/t) = 0.1 ln(s) + 1`` (arXiv 2309.00071, eq. 22); 1 when
+    nothing is interpolated (``s <= 1``). vLLM and llama.cpp multiply their ``attn_factor`` by it."""
+    return 1.0 if scale <= 1 else 0.1 * math.log(scale) + 1.0
+
+
+def ntk_base(base: float, scale: float, rotary_dim: int) -> float:
+    """NTK-aware base ``b' = b * s ** (d / (d - 2))``: the lowest frequency is divided by ``s``."""
+    return base * scale ** (rotary_dim / (rotary_dim - 2))
+
+
+def dynamic_ntk_base(base: float, scale: float, length: int, original_length: int, rotary_dim: int) -> float:
+    """Dynamic NTK's base at length ``L``: the NTK base of ``s * L / L0 - (s - 1)`` beyond ``L0``,
+    ``b`` inside it (the formula of transformers' and vLLM's ``dynamic``)."""
+    if length <= original_length:
+        return base
+    return ntk_base(base, scale * length / original_length - (scale - 1), rotary_dim)
 
 
 def _yarn_inv_freq(rotary_dim: int, base: float, scale: float, params: Mapping[str, Any]) -> torch.Tensor:
@@ -158,8 +209,7 @@ def ntk_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_le
 
     This is plain RoPE with a larger ``rope_theta``, so every runtime can load it.
     """
-    scaled_base = base * params["factor"] ** (rotary_dim / (rotary_dim - 2))
-    return default_inv_freq(rotary_dim, scaled_base), 1.0
+    return default_inv_freq(rotary_dim, ntk_base(base, params["factor"], rotary_dim)), 1.0
 
 
 def _effective_length(params: Mapping[str, Any], seq_len: int | None) -> int:
@@ -182,11 +232,8 @@ def dynamic_ntk_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any]
     """
     length = _effective_length(params, seq_len)
     original_length = params["original_max_position_embeddings"]
-    if length <= original_length:
-        return default_inv_freq(rotary_dim, base), 1.0
-    factor = params["factor"]
-    effective_scale = factor * length / original_length - (factor - 1)
-    return default_inv_freq(rotary_dim, base * effective_scale ** (rotary_dim / (rotary_dim - 2))), 1.0
+    scaled_base = dynamic_ntk_base(base, params["factor"], length, original_length, rotary_dim)
+    return default_inv_freq(rotary_dim, scaled_base), 1.0
 
 
 def yarn_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
@@ -209,7 +256,7 @@ def yarn_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_l
     factor = params["factor"]
     attention_factor = params["attention_factor"]
     if attention_factor is None:
-        attention_factor = _yarn_mscale(factor)
+        attention_factor = yarn_mscale(factor)
     return _yarn_inv_freq(rotary_dim, base, factor, params), float(attention_factor)
 
 
@@ -227,7 +274,7 @@ def dynamic_yarn_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any
         return default_inv_freq(rotary_dim, base), 1.0
     attention_factor = params["attention_factor"]
     if attention_factor is None:
-        attention_factor = _yarn_mscale(scale)
+        attention_factor = yarn_mscale(scale)
     return _yarn_inv_freq(rotary_dim, base, scale, params), float(attention_factor)
 
 
@@ -353,7 +400,7 @@ def _check_longrope(rotary_dim: int, params: Mapping[str, Any]) -> None:
                 f"longrope's {key} must be a list of {half} numbers (rotary dimension {rotary_dim} / 2), "
                 f"got {type(values).__name__} of length {len(values) if hasattr(values, '__len__') else 'n/a'}."
             )
-        if not all(_is_real(v) and math.isfinite(v) and v > 0 for v in values):
+        if not all(is_real(v) and math.isfinite(v) and v > 0 for v in values):
             raise ValueError(f"longrope's {key} must hold finite numbers > 0.")
     _check_optional_positive("attention_factor", params["attention_factor"])
 
@@ -364,12 +411,8 @@ def _first_line(text: str | None) -> str:
 
 
 def _check_optional_positive(name: str, value: Any) -> None:
-    if value is not None and not (_is_real(value) and math.isfinite(value) and value > 0):
+    if value is not None and not (is_real(value) and math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number > 0 or None (derived), got {value!r}.")
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def checked_frequencies(
@@ -410,7 +453,7 @@ def checked_frequencies(
             f"{where} returned inv_freq[{index}] = {inv_freq[index].item()!r}; every frequency must be finite and > 0."
         )
     scalar_tensor = isinstance(attention_factor, torch.Tensor) and attention_factor.numel() == 1
-    if not (_is_real(attention_factor) or scalar_tensor):
+    if not (is_real(attention_factor) or scalar_tensor):
         raise ValueError(f"{where} returned attention factor {attention_factor!r}; it must be a number.")
     attention_factor = float(attention_factor)
     if not (math.isfinite(attention_factor) and attention_factor > 0):
@@ -425,6 +468,78 @@ def checked_frequencies(
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "truncate": True}
 
 
+# -- writers of transformers' own rope types (RopeMethod.rope_parameters) -----------------------
+
+
+def _own_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The method's own parameters that are set, as JSON values."""
+    return {key: plain_value(value) for key, value in params.items() if key not in COMMON_PARAMS and value is not None}
+
+
+def _plain_rope_parameters(params: Mapping[str, Any], base: float, rotary_dim: int) -> dict[str, Any]:
+    # ntk: plain RoPE with the raised base the method computes
+    return {"rope_type": "default", "rope_theta": ntk_base(base, params["factor"], rotary_dim)}
+
+
+def _linear_rope_parameters(params: Mapping[str, Any], base: float, rotary_dim: int) -> dict[str, Any]:
+    return {"rope_type": "linear", "rope_theta": base, "factor": params["factor"]}
+
+
+def _dynamic_rope_parameters(params: Mapping[str, Any], base: float, rotary_dim: int) -> dict[str, Any]:
+    return {"rope_type": "dynamic", "rope_theta": base, "factor": params["factor"]}
+
+
+def _with_original_context(rope_type: str) -> RopeParametersFn:
+    """yarn and llama3: factor, the original context and the method's own parameters."""
+
+    def write(params: Mapping[str, Any], base: float, rotary_dim: int) -> dict[str, Any]:
+        rope = {
+            "rope_type": rope_type,
+            "rope_theta": base,
+            "factor": params["factor"],
+            "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
+            **_own_params(params),
+        }
+        if "attention_factor" in rope:
+            rope["attention_factor"] = float(rope["attention_factor"])  # transformers wants a float
+        return rope
+
+    return write
+
+
+def _longrope_rope_parameters(params: Mapping[str, Any], base: float, rotary_dim: int) -> dict[str, Any]:
+    own = _own_params(params)
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": base,
+        "factor": params["factor"],
+        "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
+        "long_factor": own["long_factor"],
+        "short_factor": own.get("short_factor", [1.0] * (rotary_dim // 2)),
+    }
+    if "attention_factor" in own:
+        rope["attention_factor"] = float(own["attention_factor"])
+    return rope
+
+
+# transformers rope_type -> writer, for methods registered with a transformers_rope_type only
+_NATIVE_WRITERS: dict[str, RopeParametersFn] = {
+    "default": _plain_rope_parameters,
+    "linear": _linear_rope_parameters,
+    "dynamic": _dynamic_rope_parameters,
+    "yarn": _with_original_context("yarn"),
+    "llama3": _with_original_context("llama3"),
+    "longrope": _longrope_rope_parameters,
+}
+
+
+def _builtin_runtimes(name: str) -> dict[str, str]:
+    """References to a built-in method's translators in :mod:`hf_rope_ext.runtimes` (also those that
+    explain why a runtime cannot run it)."""
+    function = name.replace("-", "_")
+    return {"vllm": f"hf_rope_ext.runtimes:vllm_{function}", "llama.cpp": f"hf_rope_ext.runtimes:llama_cpp_{function}"}
+
+
 def register_method(
     name: str,
     compute: ComputeFn,
@@ -435,6 +550,8 @@ def register_method(
     validate: Callable[[int, Mapping[str, Any]], None] | None = None,
     transformers_rope_type: str | None = None,
     attention: Callable[[Mapping[str, Any]], Any] | None = None,
+    rope_parameters: RopeParametersFn | None = None,
+    runtimes: Mapping[str, Callable[..., Any] | str] | None = None,
 ) -> RopeMethod:
     """Register a user-defined RoPE scaling method under ``name``.
 
@@ -443,6 +560,21 @@ def register_method(
     ``defaults``. Set ``length_dependent=True`` if it reads ``seq_len``; the patched model then
     recomputes frequencies as the input grows and keeps the KV cache consistent. ``attention``
     makes it an attention-level method (see :class:`RopeMethod`).
+
+    ``transformers_rope_type`` names a rope type transformers has with the same frequencies
+    (checkpoints then load without this package); ``rope_parameters`` writes its config entry
+    (defaults to the writer of that type). ``runtimes`` declares how vLLM and llama.cpp run the
+    method: ``{"llama.cpp": translate}`` with ``translate(spec, model_type)`` returning a
+    :class:`hf_rope_ext.runtimes.RuntimeCommand`; :func:`hf_rope_ext.runtimes.runtime_settings`
+    then reports it (runtimes without a translator are reported as unsupported). Example::
+
+        from hf_rope_ext.runtimes import RuntimeCommand, llama_cpp_command
+
+        def to_llama_cpp(spec, model_type):
+            base = spec.original_rope_theta * 2
+            return llama_cpp_command(spec, model_type, {"--rope-scaling": "none", "--rope-freq-base": base})
+
+        register_method("my-ntk", compute, runtimes={"llama.cpp": to_llama_cpp})
 
     Raises ``ValueError`` if the name is taken (call :func:`unregister_method` first to replace
     a user method; built-in methods cannot be replaced).
@@ -458,6 +590,19 @@ def register_method(
     clash = set(defaults) & set(COMMON_PARAMS)
     if clash:
         raise ValueError(f"defaults must not contain {sorted(clash)}: these are set from scale/max_length.")
+    if transformers_rope_type is not None and rope_parameters is None:
+        rope_parameters = _NATIVE_WRITERS.get(transformers_rope_type)
+        if rope_parameters is None:
+            raise ValueError(
+                f"transformers_rope_type={transformers_rope_type!r} has no built-in writer; pass rope_parameters= "
+                f"(a function writing config.rope_parameters) or use one of {sorted(_NATIVE_WRITERS)}."
+            )
+    runtimes = dict(runtimes or {})
+    for runtime, translator in runtimes.items():
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtimes has an unknown runtime {runtime!r}; use {' or '.join(map(repr, RUNTIMES))}.")
+        if not (callable(translator) or isinstance(translator, str)):
+            raise TypeError(f"the {runtime} translator must be callable, got {type(translator).__name__}.")
     method = RopeMethod(
         name=name,
         compute=compute,
@@ -467,6 +612,8 @@ def register_method(
         summary=summary or _first_line(compute.__doc__),
         validate=validate,
         attention=attention,
+        rope_parameters=rope_parameters,
+        runtimes=runtimes,
     )
     _REGISTRY[name] = method
     return method
@@ -511,8 +658,10 @@ def get_method(name: str) -> RopeMethod:
         raise ValueError(f"Unknown RoPE method {name!r}.{hint} Valid methods: {', '.join(_REGISTRY)}.") from None
 
 
-def resolve_params(method: RopeMethod, rotary_dim: int, user_params: Mapping[str, Any]) -> dict[str, Any]:
-    """Fill in defaults, reject unknown or misspelled keys and bad values; returns a new dict."""
+def resolve_params(method: RopeMethod, rotary_dim: int | None, user_params: Mapping[str, Any]) -> dict[str, Any]:
+    """Fill in defaults, reject unknown or misspelled keys and bad values; returns a new dict.
+
+    The method's own check (``validate``) needs the rotary dimension and is skipped without it."""
     unknown = [key for key in user_params if key not in method.defaults]
     if unknown:
         hints = []
@@ -531,11 +680,11 @@ def resolve_params(method: RopeMethod, rotary_dim: int, user_params: Mapping[str
         raise ValueError(f"Method {method.name!r} needs parameter(s) {missing}; pass them to patch_model.")
     for key, default in method.defaults.items():
         value = params[key]
-        if _is_real(default) and not (_is_real(value) and math.isfinite(value)):
+        if is_real(default) and not (is_real(value) and math.isfinite(value)):
             raise TypeError(f"Parameter {key!r} of method {method.name!r} must be a finite number, got {value!r}.")
         if isinstance(default, bool) and not isinstance(value, bool):
             raise TypeError(f"Parameter {key!r} of method {method.name!r} must be True or False, got {value!r}.")
-    if method.validate is not None:
+    if method.validate is not None and rotary_dim is not None:  # None: checked once the model is known
         method.validate(rotary_dim, params)
     return params
 
@@ -578,12 +727,16 @@ for _method in (
         "linear",
         linear_inv_freq,
         transformers_rope_type="linear",
+        rope_parameters=_NATIVE_WRITERS["linear"],
+        runtimes=_builtin_runtimes("linear"),
         summary="Position Interpolation: theta_i / s. Best after fine-tuning; costs perplexity without it.",
     ),
     RopeMethod(
         "ntk",
         ntk_inv_freq,
         transformers_rope_type="default",
+        rope_parameters=_NATIVE_WRITERS["default"],
+        runtimes=_builtin_runtimes("ntk"),
         summary="Static NTK-aware: rope_theta * s^(d/(d-2)). Plain RoPE with a larger base; loads anywhere.",
     ),
     RopeMethod(
@@ -591,6 +744,8 @@ for _method in (
         dynamic_ntk_inv_freq,
         length_dependent=True,
         transformers_rope_type="dynamic",
+        rope_parameters=_NATIVE_WRITERS["dynamic"],
+        runtimes=_builtin_runtimes("dynamic"),
         summary="Dynamic NTK: base grows with the current length; unchanged inside the original context.",
     ),
     RopeMethod(
@@ -598,6 +753,8 @@ for _method in (
         yarn_inv_freq,
         defaults=_YARN_DEFAULTS,
         transformers_rope_type="yarn",
+        rope_parameters=_NATIVE_WRITERS["yarn"],
+        runtimes=_builtin_runtimes("yarn"),
         summary="YaRN: NTK-by-parts ramp plus attention temperature 0.1 ln(s) + 1.",
         validate=_check_betas,
     ),
@@ -607,6 +764,7 @@ for _method in (
         defaults=_YARN_DEFAULTS,
         length_dependent=True,
         summary="YaRN with scale max(1, L/L0) following the current length; exact original inside L0.",
+        runtimes=_builtin_runtimes("dynamic-yarn"),
         validate=_check_betas,
     ),
     RopeMethod(
@@ -614,12 +772,15 @@ for _method in (
         dynamic_linear_inv_freq,
         length_dependent=True,
         summary="Position Interpolation with scale max(1, L/L0) following the current length.",
+        runtimes=_builtin_runtimes("dynamic-linear"),
     ),
     RopeMethod(
         "llama3",
         llama3_inv_freq,
         defaults={"low_freq_factor": 1.0, "high_freq_factor": 4.0},
         transformers_rope_type="llama3",
+        rope_parameters=_NATIVE_WRITERS["llama3"],
+        runtimes=_builtin_runtimes("llama3"),
         summary="Llama 3.1 band interpolation: short wavelengths kept, long ones / s, smooth between.",
         validate=_check_llama3,
     ),
@@ -629,6 +790,8 @@ for _method in (
         defaults={"long_factor": REQUIRED, "short_factor": None, "attention_factor": None},
         length_dependent=True,
         transformers_rope_type="longrope",
+        rope_parameters=_NATIVE_WRITERS["longrope"],
+        runtimes=_builtin_runtimes("longrope"),
         summary="LongRoPE with given per-dimension factors (long beyond L0, short inside).",
         validate=_check_longrope,
     ),
@@ -639,6 +802,7 @@ for _method in (
         validate=_check_frequencies,
         summary="Self-Extend: trained positions within a neighbour window, grouped (floor(p/G)) positions beyond.",
         attention=lambda params: _attention().self_extend_remap(params),
+        runtimes=_builtin_runtimes("self-extend"),
     ),
     RopeMethod(
         "dual-chunk",
@@ -647,6 +811,7 @@ for _method in (
         validate=_check_frequencies,
         summary="Dual Chunk Attention: intra-, successive- and inter-chunk positions, all within the trained context.",
         attention=lambda params: _attention().dual_chunk_remap(params),
+        runtimes=_builtin_runtimes("dual-chunk"),
     ),
 ):
     _register_builtin(_method)

@@ -115,11 +115,11 @@ def _same_patch(record: Mapping[str, Any], patch: RecordedPatch) -> bool:
     """Evaluated with this checkpoint's patch: method, scale and, for length-dependent methods,
     frequency steps (a record without them cannot be attributed to this checkpoint)."""
     scale = record.get("scale")
-    same = record.get("method") == patch.method.name and isinstance(scale, (int, float)) and math.isclose(
+    same = record.get("method") == patch.method and isinstance(scale, (int, float)) and math.isclose(
         float(scale), patch.scale
     )
-    if same and patch.method.length_dependent:
-        same = record.get("steps_per_doubling") == recorded_steps(patch.method.name, patch.steps_per_doubling)
+    if same and patch.rope_method.length_dependent:
+        same = record.get("steps_per_doubling") == recorded_steps(patch.method, patch.steps_per_doubling)
     return same
 
 
@@ -330,7 +330,7 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
     result of this checkpoint: of a model patched the same way (method, scale, frequency steps),
     or of this checkpoint folder itself evaluated unpatched (``--methods none``).
     """
-    here = _patch_label(patch.method.name, patch.scale)
+    here = _patch_label(patch.method, patch.scale)
     if summary is not None:
         recorded = summary.get("rope_patch") if isinstance(summary.get("rope_patch"), Mapping) else {}
         trained = {
@@ -338,7 +338,7 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
             "scale": recorded.get("scale", summary.get("scale")),
             "original context": recorded.get("original_max_position_embeddings", summary.get("original_context")),
         }
-        expected = {"method": patch.method.name, "scale": patch.scale,
+        expected = {"method": patch.method, "scale": patch.scale,
                     "original context": patch.original_max_position_embeddings}  # fmt: skip
         if isinstance(recorded.get("params"), Mapping):
             trained["parameters"] = {key: recorded["params"].get(key) for key in patch.params}
@@ -369,7 +369,7 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
                 f"The evaluation folder {eval_dir} holds no result of this {here} checkpoint (its results: "
                 f"{', '.join(found)}). Pass the --eval-dir of an evaluation of this checkpoint (hf-rope-ext eval "
                 f"--model {folder or 'CHECKPOINT'} --methods none) or of its patch on the base model (--methods "
-                f"{patch.method.name} --scales {patch.scale:g})."
+                f"{patch.method} --scales {patch.scale:g})."
             )
 
 
@@ -439,7 +439,7 @@ def render_model_card(
         )
 
     _check_inputs_belong(patch, config, summary, records, eval_dir, training_summary)
-    method = patch.method
+    method = patch.rope_method
     name = repo_id.split("/")[-1] if repo_id else f"{base_model.split('/')[-1]}-{method.name}-x{patch.scale:g}"
     settings = runtime_settings(config)
     eval_results = _eval_results(records, patch)

@@ -9,51 +9,54 @@ function of transformers is touched.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-import math
-import numbers
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import compat, config_io
-from .families import family_info, tested_families
-from .methods import LOGN_SUFFIX, default_inv_freq, get_method, resolve_params
 from .cache_consistency import PrefixRecompute
+from .families import family_info, tested_families
+from .methods import default_inv_freq
 from .rotary import ExtendedRotaryEmbedding
+from .spec import (
+    DEFAULT_STEPS_PER_DOUBLING,
+    NOT_GIVEN,
+    PatchSpec,
+    method_spec,
+    resolve_scale,
+    split_method_spec,
+    whole_token_scale,
+)
+from .validation import check_length
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "DEFAULT_METHOD",
+    "DEFAULT_STEPS_PER_DOUBLING",
+    "PatchInfo",
+    "apply_spec",
+    "find_rotary_module",
+    "get_patch_info",
+    "method_spec",
+    "original_context_length",
+    "owner_and_attribute",
+    "patch_model",
+    "patched",
+    "resolve_scale",
+    "split_method_spec",
+    "unpatch_model",
+    "whole_token_scale",
+]
+
 DEFAULT_METHOD = "dynamic-yarn"
-# Length-dependent methods use the frequencies of the exact (planned) length by default: a
-# forward over L tokens those of L, generate those of prompt + max_new_tokens, chosen once
-# before the prefill, so generation recomputes nothing (README, "Speed"). An integer n rounds
-# every length up to L0 * 2 ** (k / n) instead (fewer recomputations in decode loops that
-# announce no plan, at some cost in quality).
-DEFAULT_STEPS_PER_DOUBLING = None
 
-_UNSET: Any = object()  # "argument not given", where None is a meaningful value
-
-
-@dataclass(frozen=True)
-class PatchInfo:
-    """What :func:`get_patch_info` reports about a patched model.
-
-    ``max_position_embeddings`` is the context the patch targets (original x scale), also for
-    length-dependent methods, whose config keeps the original value (see ``config_io``).
-    """
-
-    method: str
-    scale: float
-    original_max_position_embeddings: int
-    max_position_embeddings: int
-    params: dict[str, Any] = field(default_factory=dict)
-    steps_per_doubling: int | None = None
-    module_name: str = ""
-    logn_attention: bool = False
+# What get_patch_info returns: the one patch type (hf_rope_ext.spec.PatchSpec), under its old name.
+PatchInfo = PatchSpec
 
 
 def _model_type(model: nn.Module) -> str:
@@ -101,101 +104,18 @@ def find_rotary_module(model: nn.Module) -> tuple[str, nn.Module]:
     return candidates[0]
 
 
-def _check_scale(scale: Any, name: str = "scale") -> float:
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"{name} must be a number (e.g. {name}=4), got {type(scale).__name__} {scale!r}.")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"{name} must be finite, got {scale}.")
-    if scale <= 0:
-        raise ValueError(f"{name} must be > 1 (how many times longer than the original context), got {scale}.")
-    if scale < 1:
-        raise ValueError(
-            f"{name}={scale} is below 1, which would shrink the context the model handles; "
-            "hf_rope_ext only extends. Use scale > 1 (e.g. 2, 4, 8)."
-        )
-    if scale == 1:
-        raise ValueError(f"{name}=1 leaves the model unchanged; use scale > 1 (e.g. 2, 4, 8).")
-    return scale
-
-
-def _check_length(value: Any, name: str, what: str = "number of tokens") -> int:
-    """``value`` as a positive int; the errors say it is a positive integer ``what``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        if isinstance(value, float) and value.is_integer():
-            return _check_length(int(value), name, what)
-        raise TypeError(f"{name} must be a positive integer {what}, got {value!r}.")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive {what}, got {value}.")
-    return int(value)
-
-
-def _check_steps(value: Any) -> int | None:
-    """``steps_per_doubling``: a positive integer, or None (the exact length)."""
-    if value is None:
-        return None
-    return _check_length(value, "steps_per_doubling", "number of frequency steps per doubling of the length (or None)")
-
-
-def whole_token_scale(scale: float, original_length: int) -> float:
-    """The scale, rounded so that the extended context ``L0 * scale`` is a whole number of tokens.
-
-    The rule: the extended context is ``L0 * scale`` rounded to the nearest token, and the scale
-    becomes ``extended / L0`` (so ``factor`` and ``max_position_embeddings / L0`` agree, as
-    transformers checks). A warning says when this changes the scale by more than float
-    rounding. A scale that extends the context by less than half a token is refused.
-    """
-    target = original_length * scale
-    extended = int(math.floor(target + 0.5))
-    if extended <= original_length:
-        raise ValueError(
-            f"scale={scale!r} extends the original context of {original_length} tokens by "
-            f"{target - original_length:.3g} tokens, less than half a token; the smallest extension is "
-            f"scale={(original_length + 1) / original_length!r} (max_length={original_length + 1})."
-        )
-    whole = extended / original_length
-    if not math.isclose(whole, scale, rel_tol=1e-9):
-        logger.warning(
-            "scale %r gives %.6g tokens over the original %d; using scale %r (%d tokens) so that the extended context "
-            "is a whole number of tokens.", scale, target, original_length, whole, extended,
-        )  # fmt: skip
-    return whole
-
-
-def resolve_scale(scale: Any, max_length: Any, original_length: int) -> float:
-    """The scale of a patch from ``scale`` or ``max_length`` (exactly one), checked and rounded so
-    that ``original_length * scale`` is a whole number of tokens (see :func:`whole_token_scale`).
-    Every entry point (patching, fine-tuning, runtime settings) resolves its target through this."""
-    if scale is not None and max_length is not None:
-        raise ValueError(
-            f"Give either scale or max_length, not both (got scale={scale!r}, max_length={max_length!r}); "
-            "scale = max_length / original context."
-        )
-    if scale is None and max_length is None:
-        raise ValueError("patch_model needs scale= (e.g. scale=4) or max_length= (the context you want, in tokens).")
-    if max_length is not None:
-        max_length = _check_length(max_length, "max_length")
-        if max_length <= original_length:
-            raise ValueError(
-                f"max_length={max_length} is not beyond the model's original context of {original_length} tokens; "
-                "nothing to extend."
-            )
-        return _check_scale(max_length / original_length, "max_length / original context")
-    return whole_token_scale(_check_scale(scale), original_length)
-
-
 def original_context_length(config: Any, original_max_length: Any = None) -> int:
     """The context the model was trained on: ``original_max_length`` if given, else the config's
     ``max_position_embeddings``."""
     if original_max_length is not None:
-        return _check_length(original_max_length, "original_max_length")
+        return check_length(original_max_length, "original_max_length")
     value = getattr(config, "max_position_embeddings", None)
     if value is None:
         raise ValueError(
             f"model_type {getattr(config, 'model_type', '?')!r}: the config has no max_position_embeddings, so the "
             "original context length is unknown; pass original_max_length= (the context the model was trained on)."
         )
-    return _check_length(value, "config.max_position_embeddings")
+    return check_length(value, "config.max_position_embeddings")
 
 
 # A model cast to fp16/bf16 (and perhaps back) carries frequencies rounded to that dtype, so they
@@ -243,21 +163,8 @@ def _verify_layout(module: nn.Module, rotary_dim: int, base: float, model_type: 
         )
 
 
-def split_method_spec(method: Any, logn_attention: Any = False) -> tuple[Any, bool]:
-    """``"yarn+logn"`` -> ``("yarn", True)``: the method name and whether log-n attention is on."""
-    if not isinstance(logn_attention, bool):
-        raise TypeError(f"logn_attention must be True or False, got {logn_attention!r}.")
-    if isinstance(method, str) and method.endswith(LOGN_SUFFIX):
-        return method[: -len(LOGN_SUFFIX)], True
-    return method, logn_attention
-
-
-def method_spec(method: str, logn_attention: bool) -> str:
-    """The inverse of :func:`split_method_spec`."""
-    return method + LOGN_SUFFIX if logn_attention else method
-
-
-def _caller_and_attribute(model: nn.Module, module_name: str) -> tuple[nn.Module, str]:
+def owner_and_attribute(model: nn.Module, module_name: str) -> tuple[nn.Module, str]:
+    """The module holding submodule ``module_name`` and the attribute it is held under."""
     parent_name, _, attribute = module_name.rpartition(".")
     return (model.get_submodule(parent_name) if parent_name else model), attribute
 
@@ -269,7 +176,7 @@ def patch_model(
     *,
     max_length: int | None = None,
     original_max_length: int | None = None,
-    steps_per_doubling: Any = _UNSET,
+    steps_per_doubling: Any = NOT_GIVEN,
     logn_attention: bool = False,
     **params: Any,
 ) -> nn.Module:
@@ -303,6 +210,49 @@ def patch_model(
     The model's config is updated to describe the patch (see :mod:`hf_rope_ext.config_io`).
     Patching an already patched model starts again from the original: scales never compound.
     """
+    target = _rotary_target(model)
+    original_length = original_context_length(target.config, original_max_length)
+    spec = PatchSpec.create(
+        method,
+        scale,
+        max_length=max_length,
+        original_max_length=original_length,
+        steps_per_doubling=steps_per_doubling,
+        logn_attention=logn_attention,
+        rope_theta=target.base,
+        rotary_dim=target.rotary_dim,
+        kept=target.kept,
+        **params,
+    )
+    _install(model, target, spec)
+    return model
+
+
+def apply_spec(model: nn.Module, spec: PatchSpec) -> nn.Module:
+    """Patch ``model`` as ``spec`` says (:meth:`hf_rope_ext.spec.PatchSpec.apply`); returns the model.
+
+    The spec's ``rotary_dim`` and ``original_rope_theta``, when set, must be the model's.
+    """
+    if not isinstance(spec, PatchSpec):
+        raise TypeError(f"apply_spec expects a PatchSpec, got {type(spec).__name__}.")
+    target = _rotary_target(model)
+    _install(model, target, spec)
+    return model
+
+
+class _Target:
+    """The rotary module of a model about to be patched, and its RoPE facts."""
+
+    def __init__(self, module_name: str, module: nn.Module, config: Any, model_type: str, rope: dict[str, Any]):
+        self.module_name, self.module, self.config, self.model_type = module_name, module, config, model_type
+        self.base = float(rope["rope_theta"])
+        self.rotary_dim = 2 * module.inv_freq.shape[-1]
+        self.kept = {key: rope[key] for key in ("partial_rotary_factor",) if key in rope}
+        self.rope = rope
+
+
+def _rotary_target(model: nn.Module) -> _Target:
+    """Unpatch ``model`` if needed, then find and check its rotary module."""
     if _patched_modules(model):
         unpatch_model(model)
     model_config = getattr(model, "config", None)
@@ -320,79 +270,68 @@ def patch_model(
             f"model_type {model_type!r} already uses RoPE scaling (rope_type={rope_type!r} in its config); "
             "hf_rope_ext extends models that use plain RoPE. Load the model without that scaling first."
         )
-    base = float(rope["rope_theta"])
-    rotary_dim = 2 * original.inv_freq.shape[-1]
-    _verify_layout(original, rotary_dim, base, model_type)
+    target = _Target(module_name, original, config, model_type, rope)
+    _verify_layout(original, target.rotary_dim, target.base, model_type)
+    return target
 
-    original_length = original_context_length(config, original_max_length)
-    scale = resolve_scale(scale, max_length, original_length)
-    method, logn_attention = split_method_spec(method, logn_attention)
-    rope_method = get_method(method)
-    resolved = resolve_params(rope_method, rotary_dim, params)
-    resolved["factor"] = scale
-    resolved["original_max_position_embeddings"] = original_length
+
+def _install(model: nn.Module, target: _Target, spec: PatchSpec) -> None:
+    spec = spec.bound_to(target.rotary_dim, target.base, target.kept, target.module_name)
+    config, original, base, rotary_dim = target.config, target.module, target.base, target.rotary_dim
+    rope_method = spec.rope_method
+    resolved = spec.resolved_params()
+    original_length = spec.original_max_position_embeddings
     remap = rope_method.attention(resolved) if rope_method.attention is not None else None
-    if rope_method.length_dependent:
-        if steps_per_doubling is _UNSET:
-            steps_per_doubling = DEFAULT_STEPS_PER_DOUBLING
-        else:
-            steps_per_doubling = _check_steps(steps_per_doubling)
-    elif steps_per_doubling is not _UNSET:
-        raise ValueError(f"steps_per_doubling only applies to length-dependent methods; {method!r} is static.")
-    else:
-        steps_per_doubling = None
 
-    rotary = ExtendedRotaryEmbedding(original, rope_method, resolved, rotary_dim, base, steps_per_doubling)
-    extended = config_io.extended_length(original_length, scale)
+    rotary = ExtendedRotaryEmbedding(original, rope_method, resolved, rotary_dim, base, spec.steps_per_doubling)
+    extended = spec.extended_context
     inv_freq, attention = rotary.frequencies(extended)
     unchanged = torch.allclose(inv_freq, default_inv_freq(rotary_dim, base), rtol=1e-9, atol=0) and attention == 1.0
-    if unchanged and remap is None and not logn_attention:
+    if unchanged and remap is None and not spec.logn_attention:
         raise ValueError(
-            f"method {method!r} with {params or 'default parameters'} leaves the frequencies unchanged at "
+            f"method {spec.method!r} with {spec.params or 'default parameters'} leaves the frequencies unchanged at "
             f"{extended} tokens: the patch would do nothing. Check the method's parameters."
         )
 
-    kept = {key: rope[key] for key in ("partial_rotary_factor",) if key in rope}
-    new_rope, max_positions = config_io.rope_config_for(rope_method, resolved, base, rotary_dim, kept)
+    new_rope, max_positions = config_io.rope_config_for(rope_method, resolved, base, rotary_dim, spec.kept)
     # Phi-3 configs also hold the trained context at the top level, and transformers takes it over
     # rope_parameters' (its class default, 4096, often differs): it must say L0 as well.
     top_level = ("original_max_position_embeddings",) if hasattr(config, "original_max_position_embeddings") else ()
-    rotary._saved_config = compat.snapshot_config(config, (config_io.RECORD_ATTRIBUTE, *top_level))
+    rotary.saved_config = compat.snapshot_config(config, (config_io.RECORD_ATTRIBUTE, *top_level))
+    rotary.spec = spec
     try:
         if top_level:
             config.original_max_position_embeddings = original_length
         compat.write_rope_config(config, new_rope, max_positions)
     except Exception:
-        compat.restore_config(config, rotary._saved_config)
+        compat.restore_config(config, rotary.saved_config)
         raise
-    record = config_io.patch_record(rope_method, resolved, base, steps_per_doubling)
-    if logn_attention:
-        record["logn_attention"] = True
-    setattr(config, config_io.RECORD_ATTRIBUTE, record)
+    setattr(config, config_io.RECORD_ATTRIBUTE, spec.to_record())
 
-    caller, attribute = _caller_and_attribute(model, module_name)
+    caller, attribute = owner_and_attribute(model, target.module_name)
     try:
         rotary.cache_guard = PrefixRecompute(caller, rotary, model) if rope_method.length_dependent else None
-        if remap is not None or logn_attention:
+        if remap is not None or spec.logn_attention:
             from . import attention as attention_level
 
-            rotary.attention_patch = attention_level.install(config, remap, inv_freq, original_length, logn_attention)
+            rotary.attention_patch = attention_level.install(
+                config, remap, inv_freq, original_length, spec.logn_attention
+            )
     except Exception:
         if rotary.cache_guard is not None:
             rotary.cache_guard.remove()
-        compat.restore_config(config, rotary._saved_config)
+        compat.restore_config(config, rotary.saved_config)
         raise
     setattr(caller, attribute, rotary)
     logger.info(
         "Patched %s (%s) with %s, scale %g: context %d -> %d tokens.",
-        module_name,
-        model_type,
+        target.module_name,
+        target.model_type,
         rope_method.name,
-        scale,
+        spec.scale,
         original_length,
         extended,
     )
-    return model
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
@@ -408,30 +347,21 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
             attention_level.uninstall(rotary.attention_patch)
         original = rotary.original_rotary
-        compat.restore_config(rotary.config if rotary.config is not None else model.config, rotary._saved_config)
-        caller, attribute = _caller_and_attribute(model, module_name)
+        compat.restore_config(rotary.config if rotary.config is not None else model.config, rotary.saved_config)
+        caller, attribute = owner_and_attribute(model, module_name)
         setattr(caller, attribute, original)
         logger.info("Restored the original rotary embedding at %s.", module_name)
     return model
 
 
-def get_patch_info(model: nn.Module) -> PatchInfo | None:
-    """How ``model`` is patched, or None if it is not."""
-    patched = _patched_modules(model)
-    if not patched:
+def get_patch_info(model: nn.Module) -> PatchSpec | None:
+    """How ``model`` is patched (a :class:`hf_rope_ext.spec.PatchSpec`, with ``module_name`` set),
+    or None if it is not."""
+    patched_modules = _patched_modules(model)
+    if not patched_modules:
         return None
-    module_name, rotary = patched[0]
-    params = {key: value for key, value in rotary.params.items() if key not in ("factor", "original_max_position_embeddings")}
-    return PatchInfo(
-        method=rotary.method.name,
-        scale=rotary.params["factor"],
-        original_max_position_embeddings=rotary.original_max_seq_len,
-        max_position_embeddings=config_io.extended_length(rotary.original_max_seq_len, rotary.params["factor"]),
-        params=params,
-        steps_per_doubling=rotary.steps_per_doubling,
-        module_name=module_name,
-        logn_attention=rotary.attention_patch is not None and rotary.attention_patch.logn,
-    )
+    module_name, rotary = patched_modules[0]
+    return dataclasses.replace(rotary.spec, module_name=module_name)  # relative to the model asked about
 
 
 @contextlib.contextmanager
@@ -445,14 +375,4 @@ def patched(model: nn.Module, scale: float | None = None, method: str = DEFAULT_
     finally:
         unpatch_model(model)
         if previous is not None:
-            patch_model(
-                model,
-                previous.scale,
-                previous.method,
-                original_max_length=previous.original_max_position_embeddings,
-                steps_per_doubling=(
-                    previous.steps_per_doubling if get_method(previous.method).length_dependent else _UNSET
-                ),
-                logn_attention=previous.logn_attention,
-                **previous.params,
-            )
+            previous.apply(model)

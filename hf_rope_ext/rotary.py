@@ -7,8 +7,9 @@ the attention factor. ``x`` is only read for its dtype and device.
 
 Numerics: the angle ``m * theta_i`` is formed in float64 and reduced modulo 2 pi before it is
 cast to float32, so cos/sin are accurate to float32 rounding at any position. Plain float32
-``m * theta_i`` (transformers) is off by up to 0.008 rad at m = 131072, more than bfloat16's
-rounding of cos/sin. The frequencies stay float32/float64 whatever dtype the model is cast to.
+``m * theta_i`` (transformers) is off by up to 0.0039 rad at positions below 131072 (half a
+float32 step of the product), twice bfloat16's rounding of cos/sin (0.002). The frequencies
+stay float32/float64 whatever dtype the model is cast to.
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ class ExtendedRotaryEmbedding(nn.Module):
         # cleared around each forward by the cache guard.
         self.frequency_length: int | None = None
         self.cache_guard = None  # set by patch_model for length-dependent methods
+        self.spec = None  # the PatchSpec applied (get_patch_info), set by patch_model
+        self.saved_config: dict[str, Any] | None = None  # config fields before the patch, set by patch_model
         self.attention_patch = None  # set by patch_model for attention-level methods and log-n attention
 
         initial = self._frequencies_for_length(None)

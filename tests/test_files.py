@@ -1,5 +1,4 @@
 import os, pytest
-from pathlib import Path
 from hf_rope_ext.files import atomic_directory
 
 def test_new_folder_appears_whole(tmp_path):

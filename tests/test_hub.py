@@ -22,14 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 import hf_rope_ext
 from hf_rope_ext import get_patch_info, patch_model, unpatch_model
 from hf_rope_ext.cli import main as cli_main
-from hf_rope_ext.hub import (
-    describe_patch,
-    load_patched,
-    push_patched_to_hub,
-    restore_patch,
-    runtime_settings,
-    save_patched,
-)
+from hf_rope_ext.hub import load_patched, push_patched_to_hub, restore_patch, save_patched
+from hf_rope_ext.runtimes import describe_patch, runtime_settings
 from hf_rope_ext.evaluation.runner import recorded_steps
 from hf_rope_ext.methods import default_inv_freq
 from hf_rope_ext.model_card import render_model_card, write_model_card
@@ -455,6 +449,33 @@ def test_failed_save_leaves_the_target_alone(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
 
 
+@pytest.mark.parametrize("failing", ["hf_rope_ext.hub._check_saved_config", "hf_rope_ext.files.give_umask_permissions"])
+def test_save_failing_after_staging_leaves_the_existing_target_byte_identical(tmp_path, monkeypatch, failing):
+    """The read-back check, or the last step before the folder swap (every file staged, the
+    user's files carried over), fails: the old checkpoint and the user's README are untouched."""
+    model = make_model("llama")
+    _patch(model, "linear")
+    target = save_patched(model, tmp_path / "ckpt", max_shard_size="20KB")  # several shards
+    (target / "README.md").write_text("my notes\n")
+    before = {path.name: path.read_bytes() for path in target.iterdir()}
+    assert sum(name.startswith("model-0") for name in before) > 1
+    _patch(model, "yarn")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(failing, fail)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_patched(model, target, card="new card")
+    assert {path.name: path.read_bytes() for path in target.iterdir()} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]  # no staging folder left
+    monkeypatch.undo()
+    save_patched(model, target)  # and a save that succeeds drops the stale shards, keeps the README
+    names = {path.name for path in target.iterdir()}
+    assert "README.md" in names and not any(name.startswith("model-0") for name in names)
+    assert json.loads((target / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
+
+
 def test_failed_save_to_a_new_folder_leaves_nothing_behind(tmp_path):
     model = make_model("llama")
     _patch(model, "yarn")
@@ -653,6 +674,32 @@ def test_llama_cpp_flags_reproduce_the_patch(method):
     assert set(command.settings["gguf_metadata"]) <= known
 
 
+def test_user_registered_method_declares_its_llama_cpp_translator():
+    from hf_rope_ext.runtimes import llama_cpp_command
+
+    def quadruple_base(rotary_dim, base, params, seq_len=None):
+        """Plain RoPE with four times the base."""
+        return default_inv_freq(rotary_dim, 4 * base), 1.0
+
+    def to_llama_cpp(spec, model_type):
+        base = 4 * spec.original_rope_theta
+        return llama_cpp_command(spec, model_type, {"--rope-scaling": "none", "--rope-freq-base": base})
+
+    hf_rope_ext.register_method("quadruple-base", quadruple_base, runtimes={"llama.cpp": to_llama_cpp})
+    try:
+        settings = runtime_settings(make_config("llama"), "quadruple-base", 2)
+        assert settings.llama_cpp.status == "exact"
+        flags = dict(zip(settings.llama_cpp.args[::2], settings.llama_cpp.args[1::2]))
+        assert flags == {"--rope-scaling": "none", "--rope-freq-base": "40000", "--ctx-size": str(2 * L0)}
+        assert settings.llama_cpp.settings["gguf_metadata"] == {"llama.context_length": 2 * L0}
+        assert settings.vllm.status == "unsupported" and "quadruple-base" in settings.vllm.notes[0]
+    finally:
+        hf_rope_ext.unregister_method("quadruple-base")
+    with pytest.raises(ValueError, match="unknown runtime 'tgi'"):
+        hf_rope_ext.register_method("quadruple-base", quadruple_base, runtimes={"tgi": to_llama_cpp})
+    assert "quadruple-base" not in hf_rope_ext.list_methods()
+
+
 def test_runtime_messages_for_what_cannot_be_expressed():
     qwen = make_config("qwen2")
     llama3_on_qwen = runtime_settings(qwen, "llama3", 4)
@@ -668,6 +715,11 @@ def test_runtime_messages_for_what_cannot_be_expressed():
     dynamic = runtime_settings(qwen, "dynamic", 4)
     assert "no dynamic NTK" in " ".join(dynamic.llama_cpp.notes)
     assert "no length-dependent NTK" in " ".join(dynamic.vllm.notes)
+    for params in ({}, {"group_size": 12}):  # the group chosen per query (8 at the last position), or a fixed one
+        self_extend = runtime_settings(qwen, "self-extend", 4, **params)
+        flags = dict(zip(self_extend.llama_cpp.args[::2], self_extend.llama_cpp.args[1::2]))
+        assert self_extend.llama_cpp.status == "approximate" and self_extend.vllm.status == "unsupported"
+        assert flags["--grp-attn-n"] == str(params.get("group_size", 8)) and flags["--ctx-size"] == str(4 * L0)
     # a patched config answers without method/scale; an unpatched one needs them
     with pytest.raises(ValueError, match="give method= and scale="):
         runtime_settings(qwen)

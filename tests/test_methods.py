@@ -10,7 +10,9 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from hf_rope_ext import get_method, list_methods
+from conftest import make_model
+
+from hf_rope_ext import get_method, list_methods, patch_model
 from hf_rope_ext.methods import default_inv_freq, resolve_params
 
 DIM, BASE, L0 = 64, 10000.0, 2048
@@ -38,8 +40,7 @@ def test_default_frequencies_golden():
     # theta_i = 10000 ** (-2i / 64), written out for i = 0, 1, 16, 31.
     inv = default_inv_freq(DIM, BASE)
     assert inv.dtype == torch.float64 and inv.shape == (32,)
-    golden = {0: 1.0, 1: 10000.0 ** (-2 / 64), 16: 0.01, 31: 10000.0 ** (-62 / 64)}
-    assert golden[1] == pytest.approx(0.7498942093324559, rel=1e-15)
+    golden = {0: 1.0, 1: 0.7498942093324559, 16: 0.01, 31: 0.0001333521432163324}
     for index, value in golden.items():
         assert inv[index].item() == pytest.approx(value, rel=1e-14)
 
@@ -56,16 +57,18 @@ def test_linear_divides_frequencies_and_maps_positions():
 
 
 @pytest.mark.parametrize("scale", [2.0, 4.0, 8.0, 32.0])
-def test_ntk_base_formula(scale):
+def test_ntk_equals_transformers_dynamic_at_the_same_effective_scale(scale):
     inv, attention = compute("ntk", scale=scale)
-    raised_base = BASE * scale ** (DIM / (DIM - 2))
-    expected = torch.tensor([raised_base ** (-2 * i / DIM) for i in range(DIM // 2)], dtype=torch.float64)
-    torch.testing.assert_close(inv, expected, rtol=1e-13, atol=0)
     assert attention == 1.0
-    # The highest frequency is untouched; the lowest is interpolated by exactly s.
-    assert inv[0].item() == 1.0
+    # transformers' dynamic NTK with factor 2 at length L raises the base by (2 L / L0 - 1) ** (d / (d - 2)):
+    # at L = L0 (s + 1) / 2 that is the static NTK base of scale s.
+    config = _config({"rope_type": "dynamic", "factor": 2.0}, L0)
+    reference, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=int(L0 * (scale + 1) / 2))
+    torch.testing.assert_close(inv.float(), reference, rtol=2e-6, atol=0)
+    # Closed form: the highest frequency is untouched, the lowest is interpolated by exactly s.
     theta = default_inv_freq(DIM, BASE)
-    assert (theta[-1] / inv[-1]).item() == pytest.approx(scale ** ((DIM - 2) / (DIM - 2)), rel=1e-12)
+    assert inv[0].item() == 1.0
+    assert (theta[-1] / inv[-1]).item() == pytest.approx(scale, rel=1e-12)
 
 
 def test_dynamic_unchanged_within_original_context_and_grows_beyond():
@@ -212,24 +215,37 @@ def test_matches_transformers_function(name, given, rope, max_positions, seq_len
 
 @pytest.mark.parametrize("name", list(list_methods()))
 def test_attention_score_depends_only_on_relative_position(name):
-    inv, attention = compute(name, seq_len=3 * L0, **EXTRA.get(name, {}))
+    """cos/sin of the patched model's own rotary module, applied as the model applies them."""
+    model = make_model("llama", hidden_size=2 * DIM, num_attention_heads=2, num_key_value_heads=1, head_dim=DIM,
+                       max_position_embeddings=L0, rope_parameters={"rope_type": "default", "rope_theta": BASE})
+    patch_model(model, scale=4, method=name, **EXTRA.get(name, {}))
+    rotary = model.model.rotary_emb
+    rotary.frequency_length = 4 * L0  # one set of frequencies for every call (length-dependent methods)
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(1, 1, 1, DIM, generator=generator, dtype=torch.float64)
     key = torch.randn(1, 1, 1, DIM, generator=generator, dtype=torch.float64)
 
     def score(m: int, n: int) -> float:
-        angles = torch.tensor([[m], [n]], dtype=torch.float64) * inv
-        emb = torch.cat((angles, angles), dim=-1)
-        cos, sin = emb.cos() * attention, emb.sin() * attention
-        q_rot, _ = apply_rotary_pos_emb(query, query, cos[None, :1], sin[None, :1])
-        k_rot, _ = apply_rotary_pos_emb(key, key, cos[None, 1:], sin[None, 1:])
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float64), torch.tensor([[m, n]]))
+        q_rot, _ = apply_rotary_pos_emb(query, query, cos[:, :1], sin[:, :1])
+        k_rot, _ = apply_rotary_pos_emb(key, key, cos[:, 1:], sin[:, 1:])
         return (q_rot * k_rot).sum().item()
 
     for distance in (0, 1, 37, 1500):
         reference = score(distance, 0)
+        # cos/sin are float32; inside the original context the attention-level methods use the
+        # original module, whose float32 angles are off by up to ~1e-4 rad at position 2048.
         for offset in (5, 999, 5000):
-            assert score(distance + offset, offset) == pytest.approx(reference, rel=1e-9, abs=1e-9)
+            assert score(distance + offset, offset) == pytest.approx(reference, rel=1e-4, abs=1e-4)
     assert score(1, 0) != pytest.approx(score(37, 0), rel=1e-3)  # the score does depend on the distance
+    # ... and the module is the patch's: the same scores as plain RoPE would give differ at long distances
+    if name not in ("self-extend", "dual-chunk"):  # these keep the trained frequencies and remap in attention
+        inv = default_inv_freq(DIM, BASE)
+        angles = torch.tensor([[5000.0], [0.0]], dtype=torch.float64) * inv
+        emb = torch.cat((angles, angles), dim=-1)
+        q_plain, _ = apply_rotary_pos_emb(query, query, emb.cos()[None, :1], emb.sin()[None, :1])
+        k_plain, _ = apply_rotary_pos_emb(key, key, emb.cos()[None, 1:], emb.sin()[None, 1:])
+        assert score(5000, 0) != pytest.approx((q_plain * k_plain).sum().item(), rel=1e-3)
 
 
 # -- parameter checks ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -494,3 +495,68 @@ def test_config_class_that_restricts_rope_types():
 def test_unsupported_layouts_name_the_model_type(model_type, message):
     with pytest.raises(ValueError, match=message):
         patch_model(_tiny(model_type), scale=4)
+
+
+# -- PatchSpec: the one patch type -------------------------------------------------------------------
+
+
+def test_patch_spec_record_round_trip_and_apply():
+    from hf_rope_ext import PatchSpec
+
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn+logn", steps_per_doubling=2, beta_fast=16)
+    spec = get_patch_info(model)
+    assert isinstance(spec, PatchSpec) and spec.label == "dynamic-yarn+logn"
+    assert (spec.method, spec.scale, spec.steps_per_doubling, spec.logn_attention) == ("dynamic-yarn", 4.0, 2, True)
+    record = spec.to_record()
+    assert record == model.config.hf_rope_ext  # the config entry is the spec's record
+    again = PatchSpec.from_record(record)
+    assert again.to_record() == record and again.params == spec.params
+    fresh = make_model("llama")
+    again.apply(fresh)
+    assert get_patch_info(fresh) == spec
+    ids = random_ids(2 * L0 + 3)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.pop("scale"), r"lacks \['scale'\]"),
+        (lambda r: r.update(scale="4"), r"scale='4'; it must be a number > 1"),
+        (lambda r: r.update(original_max_position_embeddings=0), "original_max_position_embeddings=0"),
+        (lambda r: r.update(steps_per_doubling=True), "steps_per_doubling=True"),
+        (lambda r: r.update(logn_attention="yes"), "logn_attention='yes'"),
+        (lambda r: r["params"].update(beta_fats=3), "did you mean 'beta_fast'"),
+        (lambda r: r.update(method="yarnn"), "method 'yarnn', which is not registered"),
+    ],
+)
+def test_patch_spec_from_record_names_the_problem_on_one_line(edit, message):
+    from hf_rope_ext import PatchSpec
+
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    record = json.loads(json.dumps(get_patch_info(model).to_record()))
+    edit(record)
+    with pytest.raises(ValueError, match=message) as error:
+        PatchSpec.from_record(record, source="rope_patch.json")
+    assert "\n" not in str(error.value) and "rope_patch.json" in str(error.value)
+
+
+def test_patch_spec_checks_its_fields_and_its_model():
+    from hf_rope_ext import PatchSpec
+
+    with pytest.raises(ValueError, match="only applies to length-dependent"):
+        PatchSpec("yarn", 4.0, L0, steps_per_doubling=2)
+    with pytest.raises(ValueError, match="only applies to length-dependent"):
+        PatchSpec.create("linear", 4, original_max_length=L0, steps_per_doubling=None)
+    assert PatchSpec.create("dynamic", 4, original_max_length=L0).steps_per_doubling is None  # the default
+    with pytest.raises(ValueError, match="below 1, which would shrink"):
+        PatchSpec("yarn", 0.5, L0)
+    with pytest.raises(ValueError, match="rotary_dim must be even"):
+        PatchSpec("yarn", 4.0, L0, rotary_dim=15)
+    spec = PatchSpec.create("yarn", max_length=4 * L0, original_max_length=L0, rotary_dim=32, rope_theta=10000.0)
+    assert spec.scale == 4.0 and spec.extended_context == 4 * L0 and spec.params["beta_fast"] == 32.0
+    with pytest.raises(ValueError, match=r"made for a model with rotary_dim=32, this one has 16"):
+        spec.apply(make_model("llama"))  # head_dim 16

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .. import config_io, get_patch_info, patch_model
+from .. import get_patch_info, patch_model
+from ..spec import PatchSpec
 from .config import FinetuneConfig, Lengths
 from .lora import LoraSettings, apply_lora
 
@@ -44,22 +45,16 @@ def load_base(config: FinetuneConfig, path: str, device: torch.device, quantized
 
 
 def rope_patch_record(model) -> dict[str, Any]:
-    """The patch as :mod:`hf_rope_ext.config_io` records it in the config (JSON-ready)."""
-    if get_patch_info(model) is None:
+    """The patch as the config records it (JSON-ready), written to ``adapter/rope_patch.json``."""
+    spec = get_patch_info(model)
+    if spec is None:
         raise RuntimeError("The model is not patched.")
-    return config_io.read_record(model.config)
+    return spec.to_record()
 
 
 def patch_from_record(model, record: dict[str, Any]) -> None:
-    extra = {"steps_per_doubling": record["steps_per_doubling"]} if "steps_per_doubling" in record else {}
-    patch_model(
-        model,
-        record["scale"],
-        record["method"],
-        original_max_length=record["original_max_position_embeddings"],
-        **extra,
-        **record["params"],
-    )
+    """Patch ``model`` as ``record`` says; the record is verified first (one-line error naming the file)."""
+    PatchSpec.from_record(record, source=ROPE_PATCH_FILE).apply(model)
 
 
 def load_adapter_model(base_model: str, adapter_dir: str | os.PathLike, *, dtype: str = "fp32", attn_implementation: str = "sdpa"):
