@@ -1,5 +1,8 @@
 """Attention-level context extension: remap relative positions inside attention, per model instance.
 
+(Over 400 lines: the position remaps, the chunked attention kernel they need and its
+per-instance install are one mechanism, tested together.)
+
 Frequency scaling (linear, NTK, YaRN) changes the rotation of every position. The methods here
 keep the trained rotations and instead choose, for each query ``i`` and key ``j``, positions
 ``(P_q, P_k)`` such that no relative distance ``P_q - P_k`` beyond the trained context ``L0``

@@ -129,7 +129,7 @@ def method_from_rope_type(rope_type: str) -> RopeMethod | None:
     )
 
 
-def _json_value(value: Any) -> Any:
+def json_value(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.tolist()
     if isinstance(value, tuple):
@@ -151,7 +151,7 @@ def rope_config_for(
     if method.rope_parameters is not None:
         rope = method.rope_parameters(params, base, rotary_dim)
     else:
-        own = {key: _json_value(value) for key, value in params.items()
+        own = {key: json_value(value) for key, value in params.items()
                if key not in COMMON_PARAMS and value is not None}  # fmt: skip
         rope = {
             "rope_type": custom_rope_type(method),

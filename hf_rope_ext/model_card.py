@@ -1,5 +1,8 @@
 """Model cards for patched checkpoints, built with huggingface_hub's ``ModelCard``/``ModelCardData``.
 
+(Over 400 lines: the card's sections, the checks that its inputs belong to one checkpoint,
+and the `card` command that writes it.)
+
 A card says what was done (base model, method, scale, original and extended context), how to
 load the checkpoint (transformers, vLLM, llama.cpp; from :func:`hf_rope_ext.hub.runtime_settings`),
 how well it works (the evaluation tool's ``results.jsonl`` and plots) and how it was trained
@@ -375,7 +378,7 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
 
 def _as_recorded(value: Any) -> Any:
     """A parameter as the patch record writes it (lists for tuples and tensors)."""
-    return config_io._json_value(value)
+    return config_io.json_value(value)
 
 
 def _equal(a: Any, b: Any) -> bool:
