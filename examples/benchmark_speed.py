@@ -13,7 +13,10 @@
    than one token after the prefill).
 
 Both are timed in alternating rounds (``--forward-repeats``, ``--decode-repeats``) and the best
-round of each side is compared, so that drifts in machine load hit both alike.
+round of each side is compared, so that drifts in machine load hit both alike. The decode
+benchmark also reports the median of the per-round (paired) ratios, with the order of the two
+sides swapped every round: on a machine whose speed drifts between rounds it is the steadier
+number.
 
 Run (CPU, about 20 minutes)::
 
@@ -174,14 +177,19 @@ def decode_benchmark(args, model, tokenizer_vocab: int, device, progress_file: P
         m.generate(warm_up, do_sample=False, max_new_tokens=4, pad_token_id=0)
     results = {}
     try:
-        for _ in tqdm(range(args.decode_repeats), desc="decode rounds", unit="round"):
-            # Alternate the two on every shape in every round, so drifts in machine load hit
-            # both alike; the minimum over rounds is the least disturbed measurement.
+        for round_index in tqdm(range(args.decode_repeats), desc="decode rounds", unit="round"):
+            # Run the two back to back on every shape in every round, so drifts in machine load
+            # hit both alike, and swap which goes first every round (a fixed order would favour
+            # one side if the machine speeds up or slows down within a pair).
             for name, prompt, new_tokens in shapes:
                 row = results.setdefault(name, {"prompt_tokens": prompt.shape[1], "new_tokens": new_tokens,
                                                 "transformers_s": [], "hf_rope_ext_s": []})
-                their_seconds, _ = run(theirs, prompt, new_tokens)
-                our_seconds, calls = run(model, prompt, new_tokens)
+                if round_index % 2 == 0:
+                    their_seconds, _ = run(theirs, prompt, new_tokens)
+                    our_seconds, calls = run(model, prompt, new_tokens)
+                else:
+                    our_seconds, calls = run(model, prompt, new_tokens)
+                    their_seconds, _ = run(theirs, prompt, new_tokens)
                 row["transformers_s"].append(their_seconds)
                 row["hf_rope_ext_s"].append(our_seconds)
                 row["recomputations"] = sum(n > 1 for n in calls[1:])
@@ -197,6 +205,9 @@ def decode_benchmark(args, model, tokenizer_vocab: int, device, progress_file: P
     for row in results.values():
         row["ratio"] = min(row["hf_rope_ext_s"]) / min(row["transformers_s"])
         row["ratio_per_round"] = [ours / theirs for ours, theirs in zip(row["hf_rope_ext_s"], row["transformers_s"])]
+        # The median of the paired (same-round) ratios: robust to a round disturbed on one side,
+        # where the best-of-each-side ratio compares two different moments of the machine.
+        row["paired_ratio"] = statistics.median(row["ratio_per_round"])
     return {"original_context": original, "scale": args.scale, "steps_per_doubling": steps_per_doubling,
             "shapes": results}
 
@@ -227,7 +238,8 @@ def main() -> None:
               f"(steps_per_doubling={d['steps_per_doubling']}) / transformers dynamic, best of {args.decode_repeats} rounds:")
         for name, row in d["shapes"].items():
             print(f"  {name:<20} transformers {min(row['transformers_s']):8.2f} s   hf_rope_ext "
-                  f"{min(row['hf_rope_ext_s']):8.2f} s   ratio {row['ratio']:.3f}   per round "
+                  f"{min(row['hf_rope_ext_s']):8.2f} s   ratio {row['ratio']:.3f}   paired (median) "
+                  f"{row['paired_ratio']:.3f}   per round "
                   + ", ".join(f"{r:.3f}" for r in row["ratio_per_round"])
                   + f"   prefix recomputations {row['recomputations']}")
     args.output_dir.mkdir(parents=True, exist_ok=True)

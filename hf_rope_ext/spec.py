@@ -237,6 +237,18 @@ class PatchSpec:
         kept = dict(kept or {})
         return cls(method, scale, original, dict(params), steps, logn_attention, rope_theta, rotary_dim, kept)
 
+    @classmethod
+    def for_configuration(
+        cls, method: str, scale: float, *, original_max_length: int, steps_per_doubling: int | None = NOT_GIVEN
+    ) -> PatchSpec:
+        """One configuration of a run that sets ``steps_per_doubling`` once for several methods
+        (evaluation, benchmarks): the setting applies to the length-dependent methods; static
+        methods have none, so it is not passed to them (``create`` refuses it there, as a sign of
+        a wrong method name in a single call)."""
+        length_dependent = get_method(split_method_spec(method)[0]).length_dependent
+        options = {"steps_per_doubling": steps_per_doubling} if length_dependent else {}
+        return cls.create(method, scale, original_max_length=original_max_length, **options)
+
     def bound_to(self, rotary_dim: int, rope_theta: float, kept: Mapping[str, Any], module_name: str = "") -> PatchSpec:
         """This spec for a model with these RoPE facts; refuses a spec made for another model."""
         for name, mine, theirs in (("rotary_dim", self.rotary_dim, rotary_dim),

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import get_method, patch_model, unpatch_model
+from .. import unpatch_model
+from ..spec import PatchSpec
 from ..rotary import ExtendedRotaryEmbedding
 from .documents import check_documents, document_hash
 from .perplexity import bucket_perplexity, sliding_window_perplexity
@@ -239,8 +240,8 @@ def run_evaluation(
             if not todo:
                 continue
             if method != NONE_METHOD:
-                extra = {"steps_per_doubling": plan.steps_per_doubling} if get_method(method).length_dependent else {}
-                patch_model(model, scale, method, original_max_length=native_context, **extra)
+                PatchSpec.for_configuration(method, scale, original_max_length=native_context,
+                                            steps_per_doubling=plan.steps_per_doubling).apply(model)
             try:
                 for case in todo:
                     bar.set_postfix_str(case.label)
