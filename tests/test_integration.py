@@ -100,4 +100,10 @@ def test_training_step_backpropagates_through_patched_model():
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
-    assert not any(p.requires_grad for p in model.model.rotary_emb.parameters())
+    # The frequencies are buffers, not parameters: an optimizer step over every parameter leaves
+    # them as they were (a frequency tensor registered as a parameter would move with lr=1).
+    rotary = model.model.rotary_emb
+    buffers = {name: buffer.clone() for name, buffer in rotary.named_buffers()}
+    assert buffers
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    assert all(torch.equal(buffer, buffers[name]) for name, buffer in rotary.named_buffers())
