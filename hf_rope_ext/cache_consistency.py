@@ -78,11 +78,12 @@ class PrefixRecompute:
         self.caller = caller
         self.rotary = rotary
         self.signature = inspect.signature(caller.forward)
-        needed = {"input_ids", "inputs_embeds", "position_ids", "past_key_values"}
-        missing = needed - set(self.signature.parameters)
+        self.cache_name = compat.cache_argument_name(self.signature.parameters)
+        needed = {"input_ids", "inputs_embeds", "position_ids"}
+        missing = sorted(needed - set(self.signature.parameters)) + ([] if self.cache_name else ["cache"])
         if missing:
             raise ValueError(
-                f"{type(caller).__name__}.forward lacks {sorted(missing)}; length-dependent methods need them to keep "
+                f"{type(caller).__name__}.forward lacks {missing}; length-dependent methods need them to keep "
                 "the KV cache exact. Use a static method (linear, ntk, yarn, llama3)."
             )
         self.logs = CacheLogs()
@@ -145,7 +146,7 @@ class PrefixRecompute:
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         arguments = self._arguments(args, kwargs)
-        cache = arguments.get("past_key_values")
+        _, cache = compat.cache_argument(arguments)
         inputs = arguments.get("input_ids")
         if inputs is None:
             inputs = arguments.get("inputs_embeds")
@@ -169,7 +170,7 @@ class PrefixRecompute:
                 raise RuntimeError(
                     f"The KV cache passed to the model already holds {past} tokens that were not written under the "
                     f"current '{self.rotary.method.name}' patch (filled before patching, or by another patch), so "
-                    "their states carry other frequencies. Start from a fresh cache (past_key_values=None)."
+                    f"their states carry other frequencies. Start from a fresh cache ({self.cache_name}=None)."
                 )
             frequency_length = self._frequency_length(needed)
             written = InputLog((inputs,), positions, mask, frequency_length)
@@ -212,7 +213,9 @@ class PrefixRecompute:
         arguments["position_ids"] = written.positions
         # A 2-D padding mask; transformers builds the 4-D mask that fits the cache and attention kernel.
         arguments["attention_mask"] = written.mask if bool((written.mask == 0).any()) else None
-        arguments["past_key_values"] = cache
+        for name in compat.CACHE_ARGUMENT_NAMES:  # the one name the forward declares (an old one is renamed)
+            arguments.pop(name, None)
+        arguments[self.cache_name] = cache
         self._start(_Call(arguments, cache, written, new_tokens, True, frequency_length))
         return (), arguments
 
@@ -228,7 +231,7 @@ class PrefixRecompute:
             # Nothing was written, or the forward failed: the cache keeps the log it had, which
             # a recomputation has already dropped with the cache's states.
             return None
-        cache = call.cache if compat.is_cache(call.cache) else getattr(output, "past_key_values", None)
+        cache = call.cache if compat.is_cache(call.cache) else compat.output_cache(output)
         if compat.is_cache(cache):
             self.logs.set(cache, call.log)
         if call.recomputed:

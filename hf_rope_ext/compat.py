@@ -116,6 +116,34 @@ def is_cache(obj: Any) -> bool:
     return isinstance(obj, Cache)
 
 
+# The keyword a model's forward takes its KV cache under: `past_key_values` up to transformers
+# 5.23, `cache` from 5.24 on (where `past_key_values` is still accepted, with a deprecation
+# warning, and renamed by a decorator *inside* the forward, so forward hooks see either name).
+CACHE_ARGUMENT_NAMES = ("cache", "past_key_values")
+
+
+def cache_argument_name(parameters: Any) -> str | None:
+    """The name under which a forward with these parameter names takes the KV cache (None: none)."""
+    return next((name for name in CACHE_ARGUMENT_NAMES if name in parameters), None)
+
+
+def cache_argument(arguments: dict[str, Any]) -> tuple[str | None, Any]:
+    """``(name, cache)`` of the cache a call was given under either name (``(None, None)``: none)."""
+    for name in CACHE_ARGUMENT_NAMES:
+        if arguments.get(name) is not None:
+            return name, arguments[name]
+    return None, None
+
+
+def output_cache(output: Any) -> Any:
+    """The KV cache a model output carries (``cache`` from transformers 5.24, ``past_key_values`` before)."""
+    for name in CACHE_ARGUMENT_NAMES:
+        value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
+        if value is not None:
+            return value
+    return None
+
+
 def planned_generation_length(model: Any, args: tuple, kwargs: dict) -> int | None:
     """The sequence length a ``model.generate(*args, **kwargs)`` call can reach, or None if unknown.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import inspect
 import math
 import weakref
 
@@ -340,6 +341,31 @@ def test_manual_decode_loop_with_planned_length_recomputes_nothing():
                   for start, end in [(0, L0 - 3)] + [(i, i + 1) for i in range(L0 - 3, 3 * L0)]]
     torch.testing.assert_close(torch.cat(chunks, 1), reference, rtol=0, atol=TOLERANCE)
     assert recomputations(model) == 0
+
+
+def _cache_keywords():
+    """The cache keywords the installed transformers' forward declares or still accepts:
+    `past_key_values` up to 5.23; `cache` from 5.24, where the old name is renamed inside the forward."""
+    declared = inspect.signature(make_model("llama").model.forward).parameters
+    return ["past_key_values"] + (["cache"] if "cache" in declared else [])
+
+
+@pytest.mark.parametrize("keyword", _cache_keywords())
+def test_cache_passed_under_each_keyword_stays_exact(keyword):
+    """The hooks find the cache under whichever name the caller used (transformers 5.24 renamed
+    `past_key_values` to `cache`); a loop without a plan then recomputes it past L0."""
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic")
+    ids = random_ids(2 * L0)
+    with torch.no_grad():
+        reference = [model(ids[:, :end]).logits[:, -1] for end in range(L0 - 2, 2 * L0 + 1)]
+        cache = DynamicCache(config=model.config)
+        steps = [model(ids[:, : L0 - 2], use_cache=True, **{keyword: cache}).logits[:, -1]]
+        steps += [model(ids[:, end - 1 : end], use_cache=True, **{keyword: cache}).logits[:, -1]
+                  for end in range(L0 - 1, 2 * L0 + 1)]
+    torch.testing.assert_close(torch.stack(steps), torch.stack(reference), rtol=0, atol=TOLERANCE)
+    assert cache.get_seq_length() == 2 * L0
+    assert recomputations(model) == L0  # each of the L0 tokens past L0 changes the frequencies of an unplanned loop
 
 
 @pytest.mark.parametrize("length", [L0 - 3, L0, L0 + 1, 45, 3 * L0 + 5])
