@@ -389,12 +389,14 @@ def _vllm_yarn(patch: PatchSpec, status: str, notes: list[str]) -> RuntimeComman
     rope, max_positions = _rope_as(patch, "yarn")
     params = patch.resolved_params()
     if params.get("attention_factor") is not None:
-        # vLLM multiplies its own 0.1 ln(s) + 1 by `attn_factor`; get_rope passes no attention_factor.
+        # Both spellings, each read by some vLLM release: vLLM 0.32.0's get_rope passes
+        # `attention_factor` to its YaRN and uses it as the scale itself (checked by running it,
+        # scripts/check_vllm.py); earlier releases passed only `attn_factor`, multiplied by their
+        # own 0.1 ln(s) + 1. A release reads one of the two, so either way the scale is ours.
         rope["attn_factor"] = float(params["attention_factor"]) / yarn_mscale(patch.scale)
-        status = "approximate"
         notes.append(
-            f"attention_factor={params['attention_factor']} is written as attn_factor={rope['attn_factor']:.6g} "
-            "(vLLM applies attn_factor x (0.1 ln s + 1)); check that your vLLM release accepts attn_factor."
+            f"attention_factor={params['attention_factor']} is also written as attn_factor={rope['attn_factor']:.6g}: "
+            "vLLM 0.32 reads attention_factor, older releases attn_factor x (0.1 ln s + 1); both give the same scale."
         )
     if not params.get("truncate", True):
         status = "approximate"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -92,3 +93,23 @@ def random_ids(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
+
+
+# Tests marked `runtimes` run real inference runtimes (llama.cpp, built by scripts/check_runtimes.sh):
+# minutes each, so the default `pytest -q tests` skips them; `-m runtimes` (or
+# HF_ROPE_EXT_RUNTIME_TESTS=1) runs them.
+RUNTIMES_OPT_IN = "HF_ROPE_EXT_RUNTIME_TESTS"
+
+
+def pytest_collection_modifyitems(config, items):
+    markexpr = config.getoption("markexpr", "") or ""
+    wanted = ("runtimes" in markexpr and "not runtimes" not in markexpr) or os.environ.get(RUNTIMES_OPT_IN) == "1"
+    if wanted:
+        return
+    skip = pytest.mark.skip(
+        reason=f"runs a real runtime (llama.cpp); opt in with `pytest -m runtimes tests/test_runtimes_real.py` or "
+        f"{RUNTIMES_OPT_IN}=1, after building it with scripts/check_runtimes.sh"
+    )
+    for item in items:
+        if "runtimes" in item.keywords:
+            item.add_marker(skip)
