@@ -54,6 +54,18 @@ SCALING_TYPES = {
 KV_TYPES = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16}
 
 
+# Flags that set one llama_context parameter as they are (common/arg.cpp).
+PARAM_FLAGS = {
+    "--rope-freq-base": ("rope_freq_base", float),
+    "--rope-freq-scale": ("rope_freq_scale", float),
+    "--yarn-orig-ctx": ("yarn_orig_ctx", int),
+    "--yarn-ext-factor": ("yarn_ext_factor", float),
+    "--yarn-attn-factor": ("yarn_attn_factor", float),
+    "--yarn-beta-fast": ("yarn_beta_fast", float),
+    "--yarn-beta-slow": ("yarn_beta_slow", float),
+}
+
+
 def parse_flags(args: list[str]) -> tuple[dict, int, int, int]:
     """``(context params, n_ctx, grp_attn_n, grp_attn_w)`` from llama-cli flags, as common/arg.cpp sets them."""
     if len(args) % 2:
@@ -65,20 +77,9 @@ def parse_flags(args: list[str]) -> tuple[dict, int, int, int]:
             params["rope_scaling_type"] = SCALING_TYPES[value]
         elif flag == "--rope-scale":
             params["rope_freq_scale"] = 1.0 / float(value)
-        elif flag == "--rope-freq-base":
-            params["rope_freq_base"] = float(value)
-        elif flag == "--rope-freq-scale":
-            params["rope_freq_scale"] = float(value)
-        elif flag == "--yarn-orig-ctx":
-            params["yarn_orig_ctx"] = int(value)
-        elif flag == "--yarn-ext-factor":
-            params["yarn_ext_factor"] = float(value)
-        elif flag == "--yarn-attn-factor":
-            params["yarn_attn_factor"] = float(value)
-        elif flag == "--yarn-beta-fast":
-            params["yarn_beta_fast"] = float(value)
-        elif flag == "--yarn-beta-slow":
-            params["yarn_beta_slow"] = float(value)
+        elif flag in PARAM_FLAGS:
+            name, kind = PARAM_FLAGS[flag]
+            params[name] = kind(value)
         elif flag in ("--ctx-size", "-c"):
             n_ctx = int(value)
         elif flag in ("--grp-attn-n", "-gan"):
