@@ -7,6 +7,7 @@ KV cache is a ``transformers.cache_utils.Cache``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Any
 
@@ -137,7 +138,12 @@ def cache_argument(arguments: dict[str, Any]) -> tuple[str | None, Any]:
 
 def output_cache(output: Any) -> Any:
     """The KV cache a model output carries (``cache`` from transformers 5.24, ``past_key_values`` before)."""
+    # Only the field the output class declares: from 5.24 reading `.past_key_values` of an
+    # output without a cache (use_cache=False) falls through to a property that logs a deprecation.
+    declared = {item.name for item in dataclasses.fields(output)} if dataclasses.is_dataclass(output) else None
     for name in CACHE_ARGUMENT_NAMES:
+        if declared is not None and name not in declared:
+            continue
         value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
         if value is not None:
             return value

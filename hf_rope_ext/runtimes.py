@@ -613,12 +613,23 @@ def llama_cpp_self_extend(patch: PatchSpec, model_type: str | None = None) -> Ru
     group = remap.group_for(patch.extended_context - 1)
     width = max(group, (remap.neighbor_window // group) * group)
     args = ("--grp-attn-n", str(group), "--grp-attn-w", str(width), "--ctx-size", str(patch.extended_context))
-    note = (
-        "llama-cli's grouped attention (Self-Extend) takes a group factor and a width that must be a multiple of "
-        f"it ({width} here, the patch uses a neighbour window of {remap.neighbor_window}); it regroups cached "
-        "positions block by block during generation instead of per query, so outputs differ in detail."
+    # Found by running it (scripts/check_runtimes.py, README "Runtimes: checked by running them").
+    broken = (
+        "Not usable in llama.cpp as released: llama-cli's grouped attention (Self-Extend) moves cached positions "
+        "with llama_memory_seq_div, and llama_kv_cells::pos_div records the key shift of that division with the "
+        "wrong sign (p_old - p_new; pos_add records p_new - p_old), so regrouped keys are rotated away from their "
+        "new positions. Measured with llama.cpp 0c1e570 (llama-cpp-python 0.3.36) on SmolLM2-135M, 12,288 tokens: "
+        "perplexity 745 at 4k-8k and 5391 beyond 8k, against 24.4 and 32.8 for this patch."
     )
-    return RuntimeCommand("llama.cpp", "approximate", args, {}, (note,))
+    differs = (
+        "The flags above are for a llama.cpp whose pos_div records p_new - p_old. Its scheme still differs from "
+        f"this patch: one group factor and a width that must be a multiple of it ({width} here; the patch's "
+        f"neighbour window is {remap.neighbor_window}), cached positions regrouped block by block during "
+        "decoding instead of per query. With the sign fixed, llama.cpp read the same tokens at 24.67 (4k-8k) and "
+        "33.91 (beyond 8k) on SmolLM2's Q4_1 file, 1.0% and 3.4% above this patch; the scheme itself, redone in "
+        "transformers on the same weights as the patch, is 0.6% and 2.7% above it."
+    )
+    return RuntimeCommand("llama.cpp", "unsupported", args, {}, (broken, differs))
 
 
 def llama_cpp_dual_chunk(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:

@@ -87,11 +87,21 @@ class Case:
     params: dict = field(default_factory=dict, hash=False, compare=False)
     weights: str = "q4_1"  # flags path: "q4_1" (SmolLM2's own GGUF) or "f32" (the dequantised checkpoint converted)
     n_batch: int = 512
+    seq_div: str = "llama"  # grouped attention: "llama" (llama_memory_seq_div) or "add" (its sign fixed; see the worker)
     ours_key: str = ""  # ours results shared between cases with the same patch
+    # What llama.cpp is compared with: "patch" (patch_model, the default) or "loop" (llama-cli's
+    # grouped-attention loop redone in transformers: the reference for llama.cpp's own scheme,
+    # with the key shift of seq_div recorded the way this case's llama.cpp run records it).
+    reference: str = "patch"
+    theirs_key: str = ""  # llama.cpp results shared between cases with the same run
 
     @property
     def ours(self) -> str:
         return self.ours_key or self.name
+
+    @property
+    def theirs(self) -> str:
+        return self.theirs_key or self.name
 
 
 def _flag_cases(weights: str) -> list[Case]:
@@ -111,9 +121,19 @@ CASES: list[Case] = [
     # self-extend: our default (per-query group size) and the paper's fixed form with the very
     # group and window llama.cpp is given; llama-cli's default batch (2048) and 512.
     Case("self-extend-x2", "flags", "self-extend", 2, n_batch=2048),
+    # (its printed flags are the default's, so it shares that llama.cpp run)
     Case("self-extend-x2-fixed", "flags", "self-extend", 2, {"group_size": 4, "neighbor_window": 4096},
-         n_batch=2048),  # fmt: skip
+         n_batch=2048, theirs_key="self-extend-x2"),  # fmt: skip
     Case("self-extend-x2-b512", "flags", "self-extend", 2, n_batch=512, ours_key="self-extend-x2"),
+    # the same loop with llama.cpp's seq_div sign error corrected (positions divided by seq_add)
+    Case("self-extend-x2-divfix", "flags", "self-extend", 2, n_batch=2048, seq_div="add", ours_key="self-extend-x2"),
+    Case("self-extend-x2-fixed-divfix", "flags", "self-extend", 2, {"group_size": 4, "neighbor_window": 4096},
+         n_batch=2048, seq_div="add", ours_key="self-extend-x2-fixed", theirs_key="self-extend-x2-divfix"),  # fmt: skip
+    # the two llama.cpp runs above against llama-cli's loop redone in transformers (same flags,
+    # batches and position moves; keys re-rotated with the shift llama.cpp records)
+    Case("self-extend-x2-loop", "flags", "self-extend", 2, n_batch=2048, reference="loop", theirs_key="self-extend-x2"),
+    Case("self-extend-x2-divfix-loop", "flags", "self-extend", 2, n_batch=2048, seq_div="add", reference="loop",
+         theirs_key="self-extend-x2-divfix"),  # fmt: skip
     Case("converted-linear-x2", "converted", "linear", 2),
     Case("converted-ntk-x2", "converted", "ntk", 2),
     Case("converted-yarn-x4", "converted", "yarn", 4),
@@ -124,7 +144,8 @@ CASES_BY_NAME = {case.name: case for case in CASES}
 # weight files and the converted checkpoints, then the approximations, then the other scales.
 FIRST = ["none", "yarn-x4", "linear-x2", "ntk-x2", "converted-yarn-x4", "converted-linear-x2", "converted-ntk-x2",
          "none-f32", "yarn-x4-f32", "linear-x2-f32", "ntk-x2-f32", "dynamic-x2", "dynamic-yarn-x2", "self-extend-x2",
-         "self-extend-x2-fixed", "yarn-x2", "linear-x4", "ntk-x4"]  # fmt: skip
+         "self-extend-x2-divfix", "self-extend-x2-loop", "self-extend-x2-divfix-loop", "self-extend-x2-fixed",
+         "self-extend-x2-fixed-divfix", "yarn-x2", "linear-x4", "ntk-x4"]  # fmt: skip
 DEFAULT_CASES = FIRST + [case.name for case in CASES if case.name not in FIRST]
 
 
@@ -157,16 +178,19 @@ class Workspace:
         # A converted case's reference is the same patch: load_patched of its checkpoint is checked
         # to give the very same losses (load_patched_check), so the long forward is not repeated.
         key = f"{case.method}-x{case.scale:g}" if case.path == "converted" else case.ours
+        if case.reference == "loop":
+            _, ga_n, ga_w = grouped_attention_flags(case)
+            key = f"loop-n{ga_n}-w{ga_w}-b{case.n_batch}-{case.seq_div}"
         return self.work / "ours" / f"{key}.npy"
 
     def check_path(self, case: Case) -> Path:
         return self.work / "ours" / f"load_patched-{case.method}-x{case.scale:g}-check.json"
 
     def theirs_path(self, case: Case) -> Path:
-        return self.work / "llama_cpp" / f"{case.name}.npy"
+        return self.work / "llama_cpp" / f"{case.theirs}.npy"
 
     def meta_path(self, case: Case) -> Path:
-        return self.work / "llama_cpp" / f"{case.name}.json"
+        return self.work / "llama_cpp" / f"{case.theirs}.json"
 
 
 def checkpoint_dir(case: Case) -> Path:
@@ -223,7 +247,10 @@ def run_ours(ws: Workspace, cases: list[Case]) -> None:
         started = time.time()
         if model is None:
             model, tokenizer = load_model("smollm2", dtype="fp32", attn_implementation="sdpa", device="cpu")
-        if case.method == "none":
+        if case.reference == "loop":
+            _, ga_n, ga_w = grouped_attention_flags(case)
+            losses = grouped_loop_losses(model, ids, ga_n, ga_w, case.n_batch, case.seq_div)
+        elif case.method == "none":
             losses = token_losses(model, ids)
         else:
             patch_model(model, case.scale, case.method, **case.params)
@@ -238,6 +265,86 @@ def run_ours(ws: Workspace, cases: list[Case]) -> None:
             if model is None:
                 model, tokenizer = load_model("smollm2", dtype="fp32", attn_implementation="sdpa", device="cpu")
             ws.check_path(case).write_text(json.dumps(load_patched_check(model, tokenizer, case, ids)))
+
+
+def grouped_attention_flags(case: Case) -> tuple[list[str], int, int]:
+    """(printed flags, --grp-attn-n, --grp-attn-w) of a grouped-attention case."""
+    args, _, _ = case_args(case)
+    values = dict(zip(args[0::2], args[1::2]))
+    return args, int(values["--grp-attn-n"]), int(values["--grp-attn-w"])
+
+
+def grouped_loop_losses(model, ids, ga_n: int, ga_w: int, n_batch: int, seq_div: str):
+    """Per-token losses of llama-cli's grouped-attention loop (tools/completion/completion.cpp,
+    the loop llama_cpp_worker.py runs) computed by the unpatched transformers model.
+
+    The prompt goes in batches of ``n_batch`` tokens at positions ``n_past ..``; before each batch
+    the positions of cached tokens move as llama_memory_seq_add / seq_div move them, and each
+    cached key is re-rotated by the shift llama.cpp records for it (RoPE rotations compose, so
+    rotating a key by ``d`` moves it from position p to p + d). ``seq_div="add"`` records the
+    shift of a division as ``p_new - p_old``; ``"llama"`` as llama.cpp's ``pos_div`` does,
+    ``p_old - p_new``. float64 angles, as in the patch's own re-rotation.
+    """
+    import inspect
+
+    import torch
+    from transformers import DynamicCache
+
+    from hf_rope_ext.compat import cache_argument_name
+
+    cache_keyword = cache_argument_name(inspect.signature(model.forward).parameters)
+    inv_freq = model.model.rotary_emb.inv_freq.double()
+    cache = DynamicCache(config=model.config)
+    position = torch.empty(0, dtype=torch.long)  # each cached token's position (what the mask and n_past see)
+    rotated_to = torch.empty(0, dtype=torch.long)  # the position its cached key is rotated to
+
+    def add(p0: int, p1: int, delta: int) -> None:
+        inside = (position >= p0) & (position < p1)
+        position[inside] += delta
+        rotated_to[inside] += delta
+
+    def divide(p0: int, p1: int, d: int) -> None:
+        inside = (position >= p0) & (position < p1)
+        old = position[inside]
+        new = torch.div(old, d, rounding_mode="floor")
+        position[inside] = new
+        rotated_to[inside] += (new - old) if seq_div == "add" else (old - new)
+
+    def rotate_keys(delta: torch.Tensor) -> None:
+        if not bool(delta.any()):
+            return
+        angles = delta.double()[:, None] * inv_freq[None]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        for layer in cache.layers:
+            keys = layer.keys.double()
+            half = keys.shape[-1] // 2
+            rotated = torch.cat([-keys[..., half:], keys[..., :half]], -1)
+            layer.keys = (keys * cos + rotated * sin).to(layer.keys.dtype)
+
+    losses = []
+    n_past = ga_i = 0
+    with torch.no_grad():
+        for start in range(0, len(ids), n_batch):
+            chunk = ids[start : start + n_batch]
+            before = rotated_to.clone()
+            while n_past >= ga_i + ga_w:  # completion.cpp, "context extension via Self-Extend"
+                ib = (ga_n * ga_i) // ga_w
+                bd = (ga_w // ga_n) * (ga_n - 1)
+                dd = (ga_w // ga_n) - ib * bd - ga_w
+                add(ga_i, n_past, ib * bd)
+                divide(ga_i + ib * bd, ga_i + ib * bd + ga_w, ga_n)
+                add(ga_i + ib * bd + ga_w, n_past + ib * bd, dd)
+                n_past -= bd
+                ga_i += ga_w // ga_n
+            rotate_keys(rotated_to - before)
+            positions = torch.arange(n_past, n_past + len(chunk))
+            logits = model(chunk[None], position_ids=positions[None], use_cache=True, **{cache_keyword: cache}).logits[0]
+            targets = ids[start + 1 : start + 1 + len(chunk)]
+            losses.append(torch.nn.functional.cross_entropy(logits[: len(targets)].double(), targets, reduction="none"))
+            position = torch.cat([position, positions])
+            rotated_to = torch.cat([rotated_to, positions])
+            n_past += len(chunk)
+    return torch.cat(losses)
 
 
 CHECK_TOKENS = 2048
@@ -361,6 +468,8 @@ def run_theirs(ws: Workspace, cases: list[Case]) -> None:
     for case in cases:
         if ws.theirs_path(case).is_file():
             continue
+        if case.theirs != case.name:
+            raise SystemExit(f"{case.name} compares the llama.cpp run {case.theirs}: run that case first")
         model = gguf_path(case)
         if not model.is_file():
             convert_all([case])
@@ -373,21 +482,25 @@ def run_theirs(ws: Workspace, cases: list[Case]) -> None:
             "out": str(ws.theirs_path(case)),
             "meta": str(ws.meta_path(case)),
             "n_batch": case.n_batch,
+            "seq_div": case.seq_div,
             "n_ubatch": 512,
             "threads": 2,
             "kv_type": "f32",
         }
-        job_path = ws.work / "jobs" / f"{case.name}.json"
-        job_path.write_text(json.dumps(job, indent=1))
-        log = ws.work / "llama_cpp" / f"{case.name}.log"
         started = time.time()
-        with open(log, "w") as handle:
-            result = subprocess.run([str(llama_python()), str(REPO / "scripts" / "llama_cpp_worker.py"), str(job_path)],
-                                    stdout=handle, stderr=subprocess.STDOUT)  # fmt: skip
-        if result.returncode != 0:
-            tail = log.read_text().strip().splitlines()[-3:]
-            raise SystemExit(f"llama.cpp worker failed for {case.name}: {tail} (log: {log})")
+        run_worker(job, ws.work / "jobs" / f"{case.name}.json", ws.work / "llama_cpp" / f"{case.name}.log")
         print(f"[llama.cpp] {case.name}: {time.time() - started:.0f}s", flush=True)
+
+
+def run_worker(job: dict[str, Any], job_path: Path, log: Path) -> None:
+    """Run scripts/llama_cpp_worker.py on one job (see its docstring) with the runtime's python."""
+    job_path.write_text(json.dumps(job, indent=1))
+    with open(log, "w") as handle:
+        result = subprocess.run([str(llama_python()), str(REPO / "scripts" / "llama_cpp_worker.py"), str(job_path)],
+                                stdout=handle, stderr=subprocess.STDOUT)  # fmt: skip
+    if result.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-3:]
+        raise SystemExit(f"llama.cpp worker failed for {job_path.stem}: {tail} (log: {log})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,24 +508,13 @@ def run_theirs(ws: Workspace, cases: list[Case]) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def buckets_of(losses: np.ndarray, boundaries: list[int]):
-    """``BucketPerplexity`` of one document's losses ``l_1 .. l_{n-1}``, sliced exactly as
-    ``hf_rope_ext.evaluation.perplexity.bucket_perplexity`` slices them."""
-    from hf_rope_ext.evaluation.perplexity import BucketPerplexity
-
-    sums, counts = [], []
-    for start, end in zip(boundaries[:-1], boundaries[1:]):
-        part = losses[max(start, 1) - 1 : end - 1]
-        sums.append(float(part.sum()))
-        counts.append(int(part.size))
-    return BucketPerplexity(boundaries[-1], list(boundaries), sums, counts)
-
-
 def compare(ours: np.ndarray, theirs: np.ndarray, bucket_size: int = 4096) -> dict[str, Any]:
     n = len(ours) + 1
     boundaries = list(range(0, n, bucket_size)) + ([n] if n % bucket_size else [n])
     boundaries = sorted(set(boundaries))
-    a, b = buckets_of(ours, boundaries), buckets_of(theirs, boundaries)
+    from hf_rope_ext.evaluation.perplexity import buckets_of_losses
+
+    a, b = buckets_of_losses(ours, boundaries), buckets_of_losses(theirs, boundaries)
     rows = []
     for (start, end, ppl_a), (_, _, ppl_b) in zip(a.bucket_ppls(), b.bucket_ppls()):
         part = slice(max(start, 1) - 1, end - 1)
@@ -447,8 +549,11 @@ def report(ws: Workspace, cases: list[Case], bucket_size: int = 4096) -> list[di
             "scale": case.scale,
             "params": case.params,
             "status": status,
+            "reference": case.reference,
+            "llama_cpp_run": case.theirs,
             "llama_cpp_args": args,
             "n_batch": case.n_batch,
+            "seq_div": case.seq_div,
             "n_ctx": meta["n_ctx"],
             "ours_source": "patch_model(load_model('smollm2'))",
             "llama_cpp_seconds": meta["seconds"],
@@ -488,8 +593,10 @@ def markdown(results: list[dict[str, Any]], unsupported: list[dict[str, Any]], t
     for entry in results:
         flags = " ".join(a for a in entry["llama_cpp_args"]) or "(none)"
         if entry["method"] == "self-extend":
-            flags += f" (batch {entry['n_batch']})"
+            flags += f" (batch {entry['n_batch']}" + (", seq_div sign fixed)" if entry.get("seq_div") == "add" else ")")
         label = entry["method"] + (" fixed G" if entry["params"].get("group_size") else "")
+        if entry.get("reference") == "loop":
+            label = "llama-cli's loop in transformers"
         for index, row in enumerate(entry["buckets"]):
             start, end = row["bucket"]
             first = index == 0

@@ -222,15 +222,14 @@ def hf_cache_key(model, ids) -> str:
 
 
 def bucket_ppl(logprobs, length: int) -> dict[str, float]:
-    """Perplexity per bucket of token positions; ``logprobs[i]`` scores token i + 1."""
+    """Perplexity per bucket of ``BUCKET`` positions; ``logprobs[i]`` scores token i + 1."""
     import numpy as np
 
-    out = {}
-    for start in range(0, length, BUCKET):
-        end = min(start + BUCKET, length)
-        part = logprobs[max(start, 1) - 1 : end - 1]
-        out[f"{start}-{end}"] = float(np.exp(-np.mean(part)))
-    return out
+    from hf_rope_ext.evaluation.perplexity import buckets_of_losses
+
+    boundaries = [*range(0, length, BUCKET), length]
+    buckets = buckets_of_losses(-np.asarray(logprobs, dtype=np.float64), boundaries)
+    return {f"{start}-{end}": ppl for start, end, ppl in buckets.bucket_ppls()}
 
 
 def run_vllm_case(python: Path, work: Path, case: dict, ids_path: Path, threads: int, log) -> dict:

@@ -8,7 +8,7 @@ JOB.json holds ``model`` (a GGUF file), ``args`` (llama-cli flags exactly as
 ``hf-rope-ext runtimes`` prints them, e.g. ["--rope-scaling", "yarn", "--rope-scale", "4", ...]),
 ``ids`` (a .npy of int64 token ids, BOS first), ``out`` (.npy written: float64 losses
 ``-log p(x_t | x_<t)`` for t = 1 .. n-1), ``meta`` (.json written), and optional ``n_batch``,
-``n_ubatch``, ``threads``, ``kv_type`` ("f32" or "f16"), ``flash_attn``.
+``n_ubatch``, ``threads``, ``kv_type`` ("f32" or "f16"), ``flash_attn``, ``seq_div``.
 
 The flags are read as llama.cpp's common/arg.cpp reads them, and every setting not given keeps
 llama-cli's default ("not set": the GGUF's own value), so a file run "with no flags" reads its
@@ -20,6 +20,13 @@ so the CLI's values are passed explicitly.
 the vendored tools/completion/completion.cpp: the prompt is decoded in batches of ``n_batch``
 tokens, and before each batch the cached positions are shifted and divided block by block with
 llama_memory_seq_add / llama_memory_seq_div.
+
+``seq_div``: "llama" (default) calls llama_memory_seq_div as llama-cli does. "add" divides the
+positions with one llama_memory_seq_add per position instead. The two should agree, but
+llama.cpp's ``llama_kv_cells::pos_div`` records the key shift with the wrong sign
+(``shift += p_old - p_new``; ``pos_add`` records ``p_new - p_old``), so after llama_memory_seq_div
+the cached keys are rotated away from their new positions instead of onto them. "add" is what
+llama-cli's loop computes once that sign is fixed.
 
 No pickle: numpy arrays and JSON only. Needs only numpy and llama_cpp.
 """
@@ -91,6 +98,17 @@ def parse_flags(args: list[str]) -> tuple[dict, int, int, int]:
     return params, n_ctx, ga_n, ga_w
 
 
+def seq_div(mem, p0: int, p1: int, d: int, mode: str) -> None:
+    """Positions in ``[p0, p1)`` of sequence 0 become ``p // d`` (see ``seq_div`` in the docstring)."""
+    if mode == "llama":
+        llama_cpp.llama_memory_seq_div(mem, 0, p0, p1, d)
+        return
+    # Ascending order: a cell moves down to p // d <= p, below every range still to come.
+    for p in range(p0, p1):
+        if p // d != p:
+            llama_cpp.llama_memory_seq_add(mem, 0, p, p + 1, p // d - p)
+
+
 def gguf_metadata(model) -> dict[str, str]:
     """All string-valued metadata of the loaded model (llama_model_meta_*)."""
     out = {}
@@ -127,6 +145,9 @@ def main(job_path: str) -> None:
     n_ubatch = min(int(job.get("n_ubatch", 512)), n_batch)
     threads = int(job.get("threads", 2))
     kv = KV_TYPES[job.get("kv_type", "f32")]
+    seq_div_mode = job.get("seq_div", "llama")
+    if seq_div_mode not in ("llama", "add"):
+        raise SystemExit(f"seq_div must be 'llama' or 'add', got {seq_div_mode!r}")
 
     llm = llama_cpp.Llama(
         model_path=job["model"],
@@ -168,7 +189,7 @@ def main(job_path: str) -> None:
                     bd = (ga_w // ga_n) * (ga_n - 1)
                     dd = (ga_w // ga_n) - ib * bd - ga_w
                     llama_cpp.llama_memory_seq_add(mem, 0, ga_i, n_past, ib * bd)
-                    llama_cpp.llama_memory_seq_div(mem, 0, ga_i + ib * bd, ga_i + ib * bd + ga_w, ga_n)
+                    seq_div(mem, ga_i + ib * bd, ga_i + ib * bd + ga_w, ga_n, seq_div_mode)
                     llama_cpp.llama_memory_seq_add(mem, 0, ga_i + ib * bd + ga_w, n_past + ib * bd, dd)
                     n_past -= bd
                     ga_i += ga_w // ga_n
@@ -212,7 +233,7 @@ def main(job_path: str) -> None:
         "n_ubatch": n_ubatch,
         "kv_type": job.get("kv_type", "f32"),
         "flash_attn": bool(job.get("flash_attn", False)),
-        "grp_attn": {"n": ga_n, "w": ga_w} if ga_n != 1 else None,
+        "grp_attn": {"n": ga_n, "w": ga_w, "seq_div": seq_div_mode} if ga_n != 1 else None,
         "batches": positions_seen,  # [first token, first position, last position] of each batch
         "tokens": n,
         "seconds": elapsed,

@@ -33,6 +33,7 @@ from hf_rope_ext.evaluation import (
     write_reports,
 )
 from hf_rope_ext.evaluation import retrieval
+from hf_rope_ext.evaluation.perplexity import buckets_of_losses
 
 SHARED_BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pg84.txt"
 
@@ -97,6 +98,24 @@ def test_bucket_perplexity_matches_direct_computation():
         assert math.isclose(result.bucket_ppls()[index][2], math.exp(pooled.mean().item()), rel_tol=1e-5)
     assert math.isclose(result.ppl, math.exp(torch.cat(losses).mean().item()), rel_tol=1e-5)
     assert result.tokens == 2 * (length - 1)
+
+
+def test_buckets_of_losses_pools_each_token_once_by_its_position():
+    # Token t (t >= 1) has loss l_t = losses[t - 1] and belongs to the bucket holding position t.
+    losses = [0.5 + 0.01 * t for t in range(1, 20)]  # l_1 .. l_19 of a 20-token document
+    result = buckets_of_losses(losses, [0, 1, 7, 20])
+    expected = {0: [], 1: list(range(1, 7)), 2: list(range(7, 20))}
+    assert result.token_counts == [len(expected[b]) for b in range(3)]
+    for bucket, positions in expected.items():
+        assert math.isclose(result.nll_sums[bucket], sum(0.5 + 0.01 * t for t in positions), rel_tol=1e-12)
+    assert math.isclose(result.bucket_ppls()[2][2], math.exp(sum(0.5 + 0.01 * t for t in range(7, 20)) / 13))
+    assert result.tokens == 19 and result.context_length == 20
+
+
+@pytest.mark.parametrize("boundaries", [[0, 5, 19], [1, 20], [0, 7, 7, 20], [0, 21]])
+def test_buckets_of_losses_rejects_boundaries_that_do_not_cover_the_document(boundaries):
+    with pytest.raises(ValueError, match="boundaries must rise strictly from 0 to 20"):
+        buckets_of_losses([1.0] * 19, boundaries)
 
 
 def naive_sliding_window(model, ids: torch.Tensor, window: int, stride: int, bos: int | None):

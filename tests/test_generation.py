@@ -368,6 +368,21 @@ def test_cache_passed_under_each_keyword_stays_exact(keyword):
     assert recomputations(model) == L0  # each of the L0 tokens past L0 changes the frequencies of an unplanned loop
 
 
+def test_forward_without_a_cache_logs_no_deprecation(monkeypatch):
+    """Reading the output's cache must not touch a renamed field: from transformers 5.24 an
+    output's `.past_key_values` is a property that logs a deprecation (and a user sees it)."""
+    from transformers.utils import generic
+
+    logged = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda message, *args, **kwargs: logged.append(message))
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic")
+    with torch.no_grad():
+        model(random_ids(2 * L0), use_cache=False)
+        model(random_ids(2 * L0), use_cache=True)
+    assert [message for message in logged if "deprecated" in message] == []
+
+
 @pytest.mark.parametrize("length", [L0 - 3, L0, L0 + 1, 45, 3 * L0 + 5])
 def test_single_forward_uses_the_exact_length_like_transformers_dynamic(length):
     """By default a forward without a cache over L tokens uses the frequencies of L itself:

@@ -718,7 +718,9 @@ def test_runtime_messages_for_what_cannot_be_expressed():
     for params in ({}, {"group_size": 12}):  # the group chosen per query (8 at the last position), or a fixed one
         self_extend = runtime_settings(qwen, "self-extend", 4, **params)
         flags = dict(zip(self_extend.llama_cpp.args[::2], self_extend.llama_cpp.args[1::2]))
-        assert self_extend.llama_cpp.status == "approximate" and self_extend.vllm.status == "unsupported"
+        # llama.cpp's grouped attention is broken as released (pos_div's sign): unsupported, flags kept
+        assert self_extend.llama_cpp.status == "unsupported" and self_extend.vllm.status == "unsupported"
+        assert "pos_div" in self_extend.llama_cpp.notes[0]
         assert flags["--grp-attn-n"] == str(params.get("group_size", 8)) and flags["--ctx-size"] == str(4 * L0)
     # a patched config answers without method/scale; an unpatched one needs them
     with pytest.raises(ValueError, match="give method= and scale="):

@@ -93,3 +93,40 @@ def test_a_wrong_setting_is_caught(harness):
     """Control: the unpatched file without flags, against our yarn x4 patch, is far outside the tolerance."""
     result = _compare(harness, "none-f32", ours_name="yarn-x4-f32")
     assert max(abs(row["rel_diff"]) for row in result["buckets"]) > 10 * TOLERANCE
+
+
+@pytest.mark.parametrize("seq_div", ["llama", "add"])
+def test_grouped_attention_loop_matches_transformers(harness, seq_div):
+    """llama-cli's grouped-attention loop (`--grp-attn-n 2 --grp-attn-w 512`, batches of 512) on the
+    float32 base GGUF, against the same loop redone in transformers (keys re-rotated by the shift
+    llama.cpp records). With llama_memory_seq_div ("llama") llama.cpp records the shift of a
+    division with the wrong sign, and transformers reproduces its losses only when told to record
+    it that way; the per-position seq_add ("add") records it right. Also a control: the two modes
+    differ by far more than the tolerance, so the comparison can tell them apart."""
+    import numpy as np
+    import torch
+
+    from hf_rope_ext.evaluation.perplexity import token_losses
+    from hf_rope_ext.loading import load_model
+
+    check, workspace = harness
+    ids = torch.from_numpy(check.token_ids(workspace))
+    flags = ["--grp-attn-n", "2", "--grp-attn-w", "512", "--ctx-size", "4096"]
+    base = check.gguf_path(check.CASES_BY_NAME["none-f32"])
+    if not base.is_file():
+        check.convert_all([check.CASES_BY_NAME["none-f32"]])
+    out = workspace.work / "llama_cpp" / f"grouped-{seq_div}.npy"
+    job = {"model": str(base), "args": flags, "n_ctx": None, "ids": str(workspace.ids_path), "out": str(out),
+           "meta": str(out.with_suffix(".json")), "n_batch": 512, "n_ubatch": 512, "threads": 2, "kv_type": "f32",
+           "seq_div": seq_div}  # fmt: skip
+    check.run_worker(job, out.with_suffix(".job.json"), out.with_suffix(".log"))
+    model, _ = load_model("smollm2", dtype="fp32", attn_implementation="sdpa", device="cpu")
+    reference = {mode: check.grouped_loop_losses(model, ids, 2, 512, 512, mode).numpy() for mode in ("llama", "add")}
+    theirs = np.load(out)
+    _assert_close(check.compare(reference[seq_div], theirs, bucket_size=1024))
+    other = "add" if seq_div == "llama" else "llama"
+    gaps = [row["rel_diff"] for row in check.compare(reference[other], theirs, bucket_size=1024)["buckets"]]
+    assert max(abs(gap) for gap in gaps) > 10 * TOLERANCE
+    # the grouping itself: with the sign right it costs a little against plain attention, not a breakdown
+    plain = token_losses(model, ids).double().numpy()
+    assert np.exp(reference["add"][1023:].mean()) < 1.1 * np.exp(plain[1023:].mean())

@@ -47,6 +47,7 @@ __all__ = [
     "BucketPerplexity",
     "SlidingPerplexity",
     "bucket_perplexity",
+    "buckets_of_losses",
     "sliding_window_perplexity",
     "token_losses",
 ]
@@ -260,12 +261,32 @@ def bucket_perplexity(
     for index, document in enumerate(documents):
         _check_context_length(context_length, len(document), f"Document {index}")
         losses = token_losses(model, document[:context_length], chunk_size=chunk_size).double()
-        for bucket, (start, end) in enumerate(zip(boundaries[:-1], boundaries[1:])):
-            # losses[i] is l_{i+1}
-            part = losses[max(start, 1) - 1 : end - 1]
-            sums[bucket] += float(part.sum())
-            counts[bucket] += part.numel()
+        one = buckets_of_losses(losses.numpy(), boundaries)
+        sums = [a + b for a, b in zip(sums, one.nll_sums)]
+        counts = [a + b for a, b in zip(counts, one.token_counts)]
     return BucketPerplexity(context_length, boundaries, sums, counts)
+
+
+def buckets_of_losses(losses: Sequence[float], boundaries: Sequence[int]) -> BucketPerplexity:
+    """Bucket one document's per-token losses ``l_1 .. l_{n-1}`` (``losses[i]`` scores token
+    ``i + 1``, as :func:`token_losses` returns them) by position, exactly as
+    :func:`bucket_perplexity` does; ``boundaries`` rise from 0 to ``n``. The comparisons with
+    other runtimes use it, so their buckets are the evaluation tool's own.
+    """
+    import numpy as np
+
+    values = np.asarray(losses, dtype=np.float64)
+    boundaries = [int(b) for b in boundaries]
+    if values.ndim != 1:
+        raise ValueError(f"losses must be one document's 1-D sequence, got shape {values.shape}.")
+    if boundaries[0] != 0 or boundaries[-1] != len(values) + 1 or any(a >= b for a, b in zip(boundaries, boundaries[1:])):
+        raise ValueError(f"boundaries must rise strictly from 0 to {len(values) + 1} (the tokens), got {boundaries}.")
+    sums, counts = [], []
+    for start, end in zip(boundaries[:-1], boundaries[1:]):
+        part = values[max(start, 1) - 1 : end - 1]  # values[i] is l_{i+1}; token 0 has no loss
+        sums.append(float(part.sum()))
+        counts.append(int(part.size))
+    return BucketPerplexity(boundaries[-1], boundaries, sums, counts)
 
 
 def sliding_windows(total: int, window: int, stride: int) -> list[tuple[int, int, int]]:
