@@ -310,6 +310,8 @@ def grouped_loop_losses(model, ids, ga_n: int, ga_w: int, n_batch: int, seq_div:
         position[inside] = new
         rotated_to[inside] += (new - old) if seq_div == "add" else (old - new)
 
+    # Written out here rather than taken from hf_rope_ext.attention: this loop is the reference the
+    # llama.cpp runs are judged against, so it shares no code with the patch it is compared to.
     def rotate_keys(delta: torch.Tensor) -> None:
         if not bool(delta.any()):
             return
