@@ -34,6 +34,7 @@ from hf_rope_ext.arguments import (
     add_text_files_argument,
     argument_parser,
 )
+from hf_rope_ext.auto import parse_configuration
 from hf_rope_ext.data import read_text, tokenize
 from hf_rope_ext.evaluation.perplexity import bucket_perplexity
 from hf_rope_ext.evaluation.records import read_records
@@ -41,20 +42,6 @@ from hf_rope_ext.files import atomic_write_text
 from hf_rope_ext.loading import load_model
 
 logger = logging.getLogger("compare_configurations")
-
-
-def parse_configuration(text: str) -> tuple[str, dict]:
-    method, _, rest = text.strip().partition(":")
-    params = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"error: configuration {text!r}: parameter {item!r} is not key=value")
-        try:
-            params[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            raise SystemExit(f"error: configuration {text!r}: value {value!r} is not a number, true/false or null") from None
-    return method.strip(), params
 
 
 def main() -> None:
@@ -72,6 +59,11 @@ def main() -> None:
     if len(args.text_files) != 1:
         parser.error(f"give one document with --text-files, got {len(args.text_files)}")
     (args.text_file,) = args.text_files
+    specs = [part.strip() for part in args.configs.split(";") if part.strip()]
+    try:
+        configurations = [parse_configuration(spec) for spec in specs]  # checked before the model loads
+    except ValueError as error:
+        parser.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     output = Path(args.output_dir)
@@ -86,8 +78,7 @@ def main() -> None:
         raise SystemExit(f"error: {args.text_file} has {len(ids)} tokens, fewer than --length {args.length}")
     edges = [int(x) for x in args.ranges.split(",")] if args.ranges else [0, native // 2, native, args.length]
 
-    for spec in filter(None, (part.strip() for part in args.configs.split(";"))):
-        method, params = parse_configuration(spec)
+    for spec, (method, params) in zip(specs, configurations):
         key = json.dumps({"config": spec, "scale": args.scale, "length": args.length, "text": Path(args.text_file).name,
                           "edges": edges}, sort_keys=True)
         if key in done:

@@ -3,6 +3,7 @@
     from hf_rope_ext import patch_model
     patch_model(model, scale=4)              # 4x the original context, default method
     patch_model(model, scale=4, method="yarn", beta_fast=32)
+    patch_model(model, scale=2, method="auto", calibration_ids=ids)  # the best candidate, measured
 """
 
 from __future__ import annotations

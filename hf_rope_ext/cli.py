@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "card": "hf_rope_ext.model_card",
     "eval": "hf_rope_ext.evaluation.cli",
     "demo": "hf_rope_ext.evaluation.cli",
+    "auto": "hf_rope_ext.auto",
 }
 
 

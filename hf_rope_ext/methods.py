@@ -581,6 +581,11 @@ def register_method(
     """
     if not isinstance(name, str) or not name or name != name.strip():
         raise ValueError(f"Method name must be a non-empty string without surrounding spaces, got {name!r}.")
+    if name == "auto" or name.endswith(LOGN_SUFFIX):
+        raise ValueError(
+            f"Method name {name!r} is reserved ('auto' chooses a method by measuring; a {LOGN_SUFFIX!r} suffix turns "
+            "on log-n attention); choose another name."
+        )
     if name in _REGISTRY:
         kind = "a built-in method" if name in _BUILTIN else "already registered"
         raise ValueError(f"RoPE method {name!r} is {kind}; choose another name or call unregister_method({name!r}).")
@@ -650,6 +655,11 @@ def get_method(name: str) -> RopeMethod:
         raise TypeError(f"method must be a string, got {type(name).__name__}; valid methods: {sorted(_REGISTRY)}.")
     if name.endswith(LOGN_SUFFIX) and name != LOGN_SUFFIX:
         name = name[: -len(LOGN_SUFFIX)]
+    if name == "auto":
+        raise ValueError(
+            "'auto' is not a method but a choice among them: patch_model(model, scale, method='auto', "
+            "calibration_ids=...) or `hf-rope-ext auto` measures candidates and names the best; use that name here."
+        )
     try:
         return _REGISTRY[name]
     except KeyError:

@@ -36,6 +36,7 @@ from .validation import check_length
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "AUTO_METHOD",
     "DEFAULT_METHOD",
     "DEFAULT_STEPS_PER_DOUBLING",
     "PatchInfo",
@@ -54,6 +55,8 @@ __all__ = [
 ]
 
 DEFAULT_METHOD = "dynamic-yarn"
+# Not a registered method: patch_model measures candidates and applies the best (hf_rope_ext.auto).
+AUTO_METHOD = "auto"
 
 # What get_patch_info returns: the one patch type (hf_rope_ext.spec.PatchSpec), under its old name.
 PatchInfo = PatchSpec
@@ -207,9 +210,16 @@ def patch_model(
             and ``neighbor_window`` for self-extend; ``chunk_size`` and ``local_window`` for
             dual-chunk).
 
+    ``method="auto"`` measures candidate configurations on a calibration text and applies the
+    best (:mod:`hf_rope_ext.auto`); it takes ``calibration_ids`` (required), ``candidates``,
+    ``objective``, ``calibration_length`` and ``cache`` instead of method parameters, and the
+    patch it leaves (``get_patch_info``, saved configs) names the method it chose.
+
     The model's config is updated to describe the patch (see :mod:`hf_rope_ext.config_io`).
     Patching an already patched model starts again from the original: scales never compound.
     """
+    if isinstance(method, str) and method == AUTO_METHOD:
+        return _patch_auto(model, scale, max_length, original_max_length, steps_per_doubling, logn_attention, params)
     target = _rotary_target(model)
     original_length = original_context_length(target.config, original_max_length)
     spec = PatchSpec.create(
@@ -226,6 +236,32 @@ def patch_model(
     )
     _install(model, target, spec)
     return model
+
+
+_AUTO_OPTIONS = {"calibration_ids": "calibration_ids", "candidates": "candidates", "objective": "objective",
+                 "calibration_length": "length", "cache": "cache"}  # fmt: skip
+
+
+def _patch_auto(model, scale, max_length, original_max_length, steps_per_doubling, logn_attention, options):
+    from .auto import choose_configuration
+
+    unknown = sorted(set(options) - set(_AUTO_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"method='auto' chooses the method's parameters itself; it takes {', '.join(_AUTO_OPTIONS)}, "
+            f"not {', '.join(unknown)}. Name a method to set its parameters."
+        )
+    if steps_per_doubling is not NOT_GIVEN or logn_attention is not False:
+        raise ValueError(
+            "method='auto' chooses among whole configurations; steps_per_doubling and logn_attention are not taken "
+            "(list 'self-extend+logn' among candidates= to try log-n attention)."
+        )
+    choice = choose_configuration(
+        model, options.get("calibration_ids"), scale, max_length=max_length, original_max_length=original_max_length,
+        **{_AUTO_OPTIONS[name]: value for name, value in options.items() if name != "calibration_ids"},
+    )  # fmt: skip
+    logger.info("method='auto' chose %s.", choice.chosen)
+    return patch_model(model, choice.scale, choice.method, original_max_length=choice.original_length, **choice.params)
 
 
 def apply_spec(model: nn.Module, spec: PatchSpec) -> nn.Module:

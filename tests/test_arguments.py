@@ -64,7 +64,7 @@ def test_finetune_old_and_new_spellings_give_the_same_config(tmp_path):
     assert config_from_args(parser.parse_args(["--model", "m", "--output-dir", "o", "--scale", "2", "--pose", "false"])).pose is False
 
 
-@pytest.mark.parametrize("name", ["eval", "demo", "card"])
+@pytest.mark.parametrize("name", ["eval", "demo", "card", "auto"])
 def test_cli_help_shows_dash_spellings_only(name):
     help_text = subcommand_help(name)
     assert not UNDERSCORE_OPTION.findall(help_text), UNDERSCORE_OPTION.findall(help_text)

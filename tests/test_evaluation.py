@@ -732,6 +732,25 @@ def test_eval_and_demo_commands_end_to_end(tiny_checkpoint, tmp_path, capsys):
     assert "patched: dynamic-yarn x2" in printed
 
 
+def test_auto_command_prints_the_table_and_the_call(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_ROPE_EXT_CACHE", str(tmp_path / "cache"))
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"Line {i} of a long and winding story." for i in range(200)))
+    command = ["auto", "--model", str(tiny_checkpoint), "--device", "cpu", "--text-files", str(book), "--scale", "2",
+               "--candidates", "yarn;self-extend:neighbor_window=64"]  # fmt: skip
+    assert cli_main(command) == 0
+    printed = capsys.readouterr().out
+    assert "calibration 512 tokens" in printed and "| self-extend:neighbor_window=64" in printed
+    assert "best: " in printed and "patch_model(model, scale=2, method=" in printed
+    assert cli_main([*command, "--json"]) == 0
+    choice = json.loads(capsys.readouterr().out)
+    assert choice["from_cache"] and choice["length"] == 512 and choice["chosen"] in printed
+    assert cli_main([*command[:-1], "yarn;no-such-method"]) == 2
+    assert "Unknown RoPE method 'no-such-method'" in capsys.readouterr().err
+    assert cli_main([*command, "--length", "100"]) == 2
+    assert "longer than the native context of 256 tokens" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------------
 # The real model
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,414 @@
+"""``method="auto"``: choose the configuration for a model and a target length by measuring.
+
+Each candidate configuration (a method and its parameters) is applied in turn and scored by the
+mean token loss of one forward over the first ``length`` tokens of a calibration text (natural
+log; ``exp`` of it is the perplexity of those tokens). The lowest loss wins; ties keep the earlier
+candidate, so list the one you prefer first. By default the score pools every position of the
+forward, which is what a reader of a long document gets; ``objective="beyond"`` scores only the
+positions beyond the native context. The numbers behind the choice are returned, logged as a
+table, and cached per model (a fingerprint of its config and weights) in
+``$HF_ROPE_EXT_CACHE/auto/<fingerprint>.json``, so the same question is answered at once the
+next time::
+
+    from hf_rope_ext import patch_model
+    ids = tokenizer(long_text, return_tensors="pt").input_ids[0]
+    patch_model(model, scale=2, method="auto", calibration_ids=ids)          # all candidates
+    choice = choose_configuration(model, ids, scale=2, candidates="servable")  # vLLM/llama.cpp too
+
+Candidate sets: ``"all"`` (default) is dynamic-yarn, self-extend with ``W = L0/2`` and
+``W = L0/4``, self-extend with log-n attention, and dual-chunk; ``"servable"`` is the methods
+that vLLM and llama.cpp reproduce exactly from a saved checkpoint (yarn, ntk). A list of
+``"method[:key=value,...]"`` strings (values in JSON) gives your own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .files import atomic_write_json
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AutoChoice",
+    "CandidateScore",
+    "candidate_configurations",
+    "choose_configuration",
+    "parse_configuration",
+]
+
+OBJECTIVES = ("all", "beyond")
+CANDIDATE_SETS = ("all", "servable")
+# Bumped when the scoring changes, so cached choices made by other code are not reused.
+_SCORING_VERSION = 1
+
+
+def parse_configuration(text: str) -> tuple[str, dict[str, Any]]:
+    """``"self-extend:neighbor_window=2048,group_size=3"`` -> ``("self-extend", {...})``.
+
+    Values are JSON (numbers, true/false, null); the method name may carry ``+logn``.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"a configuration is 'method[:key=value,...]', got {text!r}.")
+    method, _, rest = text.strip().partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"configuration {text!r}: parameter {item!r} is not key=value.")
+        try:
+            params[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"configuration {text!r}: value {value!r} is not a number, true/false or null.") from None
+    if not method.strip():
+        raise ValueError(f"configuration {text!r} names no method.")
+    return method.strip(), params
+
+
+def _configuration_text(method: str, params: Mapping[str, Any]) -> str:
+    if not params:
+        return method
+    return method + ":" + ",".join(f"{key}={json.dumps(value)}" for key, value in sorted(params.items()))
+
+
+def candidate_configurations(candidates: str | Sequence[str], original_length: int) -> list[str]:
+    """The candidate configurations as ``method[:key=value,...]`` strings, parsed and checked."""
+    if isinstance(candidates, str):
+        if candidates == "all":
+            return ["dynamic-yarn", "self-extend", f"self-extend:neighbor_window={max(1, original_length // 4)}",
+                    "self-extend+logn", "dual-chunk"]  # fmt: skip
+        if candidates == "servable":
+            return ["yarn", "ntk"]
+        raise ValueError(
+            f"candidates={candidates!r}: give {' or '.join(map(repr, CANDIDATE_SETS))}, or a list of "
+            "'method[:key=value,...]' strings."
+        )
+    if not isinstance(candidates, Sequence) or not candidates:
+        raise ValueError(f"candidates must be 'all', 'servable' or a non-empty list of configurations, got {candidates!r}.")
+    texts = []
+    for candidate in candidates:
+        method, params = parse_configuration(candidate)
+        if method == "auto":
+            raise ValueError("candidates cannot include 'auto' itself.")
+        texts.append(_configuration_text(method, params))
+    duplicates = sorted({text for text in texts if texts.count(text) > 1})
+    if duplicates:
+        raise ValueError(f"candidates list {', '.join(duplicates)} more than once.")
+    return texts
+
+
+@dataclass(frozen=True)
+class CandidateScore:
+    """One candidate's calibration result."""
+
+    configuration: str
+    mean_loss: float  # over the scored positions (the objective)
+    perplexity: float  # exp(mean_loss)
+    perplexity_inside: float | None  # positions 1 .. L0 - 1 of the forward
+    perplexity_beyond: float  # positions L0 .. length - 1
+    seconds: float
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What :func:`choose_configuration` measured and chose."""
+
+    chosen: str  # the winning configuration, "method[:key=value,...]"
+    method: str
+    params: dict[str, Any]
+    scale: float
+    length: int  # calibration tokens per forward
+    original_length: int
+    objective: str
+    scores: tuple[CandidateScore, ...]
+    calibration_sha256: str
+    from_cache: bool = False
+    cache_path: str | None = field(default=None, compare=False)
+
+    def table(self) -> str:
+        """The numbers behind the choice, as a markdown table."""
+        lines = [
+            f"method='auto', scale {self.scale:g}, calibration {self.length} tokens, objective {self.objective!r}"
+            + (" (cached)" if self.from_cache else ""),
+            f"| configuration | mean loss | ppl | ppl 1-{self.original_length} | ppl {self.original_length}-{self.length} | seconds |",
+            "|---|---|---|---|---|---|",
+        ]
+        for score in self.scores:
+            mark = " (chosen)" if score.configuration == self.chosen else ""
+            inside = "" if score.perplexity_inside is None else f"{score.perplexity_inside:.3f}"
+            lines.append(
+                f"| {score.configuration}{mark} | {score.mean_loss:.5f} | {score.perplexity:.3f} | {inside} | "
+                f"{score.perplexity_beyond:.3f} | {score.seconds:.1f} |"
+            )
+        return "\n".join(lines)
+
+
+def _calibration_tensor(calibration_ids: Any) -> torch.Tensor:
+    if calibration_ids is None:
+        raise ValueError(
+            "method='auto' needs calibration_ids=: the token ids of a text longer than the model's native context "
+            "(e.g. tokenizer(text, return_tensors='pt').input_ids[0])."
+        )
+    if isinstance(calibration_ids, str):
+        raise TypeError("calibration_ids must be token ids, not text: tokenize it first (tokenizer(text).input_ids).")
+    try:
+        ids = torch.as_tensor(calibration_ids)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"calibration_ids must be a 1-D sequence of token ids ({error}).") from None
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"calibration_ids must be one sequence of token ids (1-D), got shape {tuple(ids.shape)}.")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"calibration_ids must be integer token ids, got dtype {ids.dtype}.")
+    return ids.to(torch.long).cpu()
+
+
+def _checked_length(length: Any, available: int, original_length: int, target_length: int) -> int:
+    if length is None:
+        length = min(available, target_length)
+    elif isinstance(length, bool) or not isinstance(length, int):
+        raise TypeError(f"length must be a whole number of tokens, got {length!r}.")
+    if length <= original_length:
+        raise ValueError(
+            f"the calibration forward must be longer than the native context of {original_length} tokens to tell "
+            f"the candidates apart; got {length} tokens"
+            + (f" (the calibration text has {available})" if available <= original_length else "")
+            + ". Give a longer calibration text or a larger length=."
+        )
+    if length > available:
+        raise ValueError(f"length={length} but the calibration text has only {available} tokens.")
+    if length > target_length:
+        raise ValueError(f"length={length} is beyond the target context of {target_length} tokens (scale x native).")
+    return length
+
+
+def _cache_file(fingerprint: str, cache_dir: str | Path | None) -> Path:
+    from .loading import cache_dir as default_cache_dir
+
+    return Path(cache_dir) if cache_dir is not None else default_cache_dir() / "auto" / f"{fingerprint}.json"
+
+
+def _read_cache(path: Path, report: bool = True) -> dict[str, Any]:
+    """The cache file's entries by key; a missing file is empty, an unreadable one is reported and ignored."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        entries = data["entries"]
+        if not isinstance(entries, dict):
+            raise TypeError("'entries' is not an object")
+        return entries
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        if report:
+            logger.warning("Ignoring the calibration cache %s (%s); it will be rewritten.", path, error)
+        return {}
+
+
+def _choice_from_entry(entry: Any, key_fields: Mapping[str, Any], path: Path) -> AutoChoice | None:
+    try:
+        scores = tuple(CandidateScore(**score) for score in entry["scores"])
+        configurations = [score.configuration for score in scores]
+        if configurations != list(key_fields["candidates"]) or entry["chosen"] not in configurations:
+            raise ValueError("its scores do not match its candidates")
+        if not all(math.isfinite(score.mean_loss) for score in scores):
+            raise ValueError("a loss is not finite")
+        method, params = parse_configuration(entry["chosen"])
+    except (KeyError, TypeError, ValueError) as error:
+        logger.warning("Ignoring a damaged entry of the calibration cache %s (%s); measuring again.", path, error)
+        return None
+    return AutoChoice(
+        chosen=entry["chosen"], method=method, params=params, scale=key_fields["scale"], length=key_fields["length"],
+        original_length=key_fields["original_length"], objective=key_fields["objective"], scores=scores,
+        calibration_sha256=key_fields["calibration_sha256"], from_cache=True, cache_path=str(path),
+    )  # fmt: skip
+
+
+def _score(model: nn.Module, ids: torch.Tensor, original_length: int, objective: str) -> tuple[float, float | None, float]:
+    from .evaluation.perplexity import token_losses
+
+    losses = token_losses(model, ids).double()  # losses[t - 1] scores token t
+    inside, beyond = losses[: original_length - 1], losses[original_length - 1 :]
+    scored = losses if objective == "all" else beyond
+    mean_inside = float(inside.mean()) if inside.numel() else None
+    return float(scored.mean()), mean_inside, float(beyond.mean())
+
+
+def choose_configuration(
+    model: nn.Module,
+    calibration_ids: Any,
+    scale: float | None = None,
+    *,
+    max_length: int | None = None,
+    original_max_length: int | None = None,
+    length: int | None = None,
+    candidates: str | Sequence[str] = "all",
+    objective: str = "all",
+    cache: bool = True,
+    cache_path: str | Path | None = None,
+    progress: bool = True,
+) -> AutoChoice:
+    """Measure each candidate configuration on the calibration text and return the best.
+
+    Args:
+        model: a loaded causal LM (patched or not; it is left as it was).
+        calibration_ids: 1-D token ids of a text longer than the native context, ideally like
+            the texts the model will read (not the ones you evaluate on).
+        scale, max_length, original_max_length: the target, as for :func:`hf_rope_ext.patch_model`.
+        length: tokens per calibration forward; default the target length, or the whole text
+            if shorter. Must be beyond the native context. Each candidate costs one forward.
+        candidates: ``"all"``, ``"servable"`` or a list of ``"method[:key=value,...]"``.
+        objective: ``"all"`` (mean loss of every position) or ``"beyond"`` (positions past the
+            native context only).
+        cache: read and write the per-model cache; ``cache_path`` overrides its file.
+    """
+    from .evaluation.runner import model_fingerprint
+    from .patching import _rotary_target, get_patch_info, original_context_length, patch_model, unpatch_model
+    from .spec import extended_length, resolve_scale
+
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r}: give {' or '.join(map(repr, OBJECTIVES))}.")
+    if not isinstance(cache, bool):
+        raise TypeError(f"cache must be True or False, got {cache!r}.")
+    ids = _calibration_tensor(calibration_ids)
+    previous = get_patch_info(model)
+    target = _rotary_target(model)  # unpatches, so the fingerprint and the scores start from the original model
+    try:
+        original_length = original_context_length(target.config, original_max_length)
+        resolved_scale = resolve_scale(scale, max_length, original_length)
+        target_length = extended_length(original_length, resolved_scale)
+        length = _checked_length(length, ids.numel(), original_length, target_length)
+        configurations = candidate_configurations(candidates, original_length)
+        ids = ids[:length]
+        key_fields = {
+            "scale": resolved_scale, "length": length, "original_length": original_length, "objective": objective,
+            "candidates": configurations, "calibration_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
+            "scoring_version": _SCORING_VERSION,
+        }  # fmt: skip
+        key = json.dumps(key_fields, sort_keys=True)
+        path = _cache_file(model_fingerprint(model), cache_path) if cache else None
+        entries = _read_cache(path) if path is not None else {}
+        if key in entries:
+            choice = _choice_from_entry(entries[key], key_fields, path)
+            if choice is not None:
+                logger.info("Calibration found in %s:\n%s", path, choice.table())
+                return choice
+        for configuration in configurations:  # every candidate's parameters checked before the first forward
+            method, params = parse_configuration(configuration)
+            try:
+                patch_model(model, resolved_scale, method, original_max_length=original_length, **params)
+            except (ValueError, TypeError) as error:
+                raise type(error)(f"candidate {configuration!r}: {error}") from None
+            unpatch_model(model)
+        scores = []
+        for configuration in tqdm(configurations, desc=f"auto: {length}-token calibration", disable=not progress):
+            method, params = parse_configuration(configuration)
+            patch_model(model, resolved_scale, method, original_max_length=original_length, **params)
+            try:
+                start = time.perf_counter()
+                mean_loss, mean_inside, mean_beyond = _score(model, ids, original_length, objective)
+                seconds = time.perf_counter() - start
+            finally:
+                unpatch_model(model)
+            if not math.isfinite(mean_loss):
+                raise ValueError(f"candidate {configuration!r} gave a non-finite loss ({mean_loss}) on the calibration text.")
+            scores.append(CandidateScore(
+                configuration, mean_loss, math.exp(mean_loss),
+                None if mean_inside is None else math.exp(mean_inside), math.exp(mean_beyond), seconds,
+            ))  # fmt: skip
+        best = min(range(len(scores)), key=lambda index: scores[index].mean_loss)  # first of equals
+        method, params = parse_configuration(scores[best].configuration)
+        choice = AutoChoice(
+            chosen=scores[best].configuration, method=method, params=params, scale=resolved_scale, length=length,
+            original_length=original_length, objective=objective, scores=tuple(scores),
+            calibration_sha256=key_fields["calibration_sha256"], cache_path=None if path is None else str(path),
+        )  # fmt: skip
+        if path is not None:
+            entries = _read_cache(path, report=False)  # again: another process may have added entries meanwhile
+            entries[key] = {"chosen": choice.chosen, "scores": [asdict(score) for score in scores]}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, {"entries": entries})
+        logger.info("Calibration:\n%s", choice.table())
+        return choice
+    finally:
+        if get_patch_info(model) is not None:
+            unpatch_model(model)
+        if previous is not None:
+            previous.apply(model)
+
+
+# -- hf-rope-ext auto ------------------------------------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    from .arguments import (
+        HelpFormatter,
+        add_attn_implementation_argument,
+        add_device_arguments,
+        add_dtype_argument,
+        add_model_argument,
+        add_option,
+        add_text_files_argument,
+    )
+
+    parser = subparsers.add_parser(
+        "auto",
+        formatter_class=HelpFormatter,
+        help="measure candidate configurations on a calibration text and name the best",
+        description=(
+            "Score each candidate configuration by the loss of one forward over the first --length tokens of a "
+            "calibration text (not the text you evaluate on), print the table and the patch_model call of the best. "
+            "Results are cached per model."
+        ),
+    )
+    add_model_argument(parser)
+    add_text_files_argument(parser, required=True, help="one calibration document, longer than the native context")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--scale", type=float, help="context multiplier (> 1)")
+    add_option(group, "--max-length", type=int, help="target context in tokens")
+    add_option(parser, "--length", type=int, default=None, help="tokens per calibration forward (default: the target)")
+    add_option(parser, "--candidates", default="all",
+               help="'all', 'servable' or ';'-separated method[:key=value,...] (default all)")
+    add_option(parser, "--objective", default="all", choices=OBJECTIVES,
+               help="score every position, or only those beyond the native context (default all)")
+    add_option(parser, "--no-cache", action="store_true", help="measure again even if the answer is cached")
+    add_option(parser, "--json", action="store_true", help="print the choice as JSON")
+    add_device_arguments(parser)
+    add_dtype_argument(parser)
+    add_attn_implementation_argument(parser)
+    parser.set_defaults(handler=_auto_command)
+
+
+def _auto_command(args) -> int:
+    from .data import read_text, tokenize
+    from .loading import load_model
+
+    if len(args.text_files) != 1:
+        raise ValueError(f"give one calibration document with --text-files, got {len(args.text_files)}.")
+    candidates = args.candidates if args.candidates in CANDIDATE_SETS else [
+        part.strip() for part in args.candidates.split(";") if part.strip()]  # fmt: skip
+    text = read_text(args.text_files[0])
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
+                                  attn_implementation=args.attn_implementation)  # fmt: skip
+    ids = tokenize(tokenizer, text)
+    choice = choose_configuration(model, ids, args.scale, max_length=args.max_length, length=args.length,
+                                  candidates=candidates, objective=args.objective, cache=not args.no_cache)  # fmt: skip
+    if args.json:
+        print(json.dumps(asdict(choice), indent=2))
+    else:
+        params = "".join(f", {key}={value!r}" for key, value in sorted(choice.params.items()))
+        print(choice.table())
+        print(f"\nbest: {choice.chosen}\n  patch_model(model, scale={choice.scale:g}, method={choice.method!r}{params})")
+    return 0

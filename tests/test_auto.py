@@ -1,0 +1,195 @@
+"""method="auto": the choice is the candidate with the lowest loss, measured here independently
+with transformers' own loss; the cache answers repeated questions and survives damage; bad input
+is refused with one clear message."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+from conftest import ORIGINAL_CONTEXT, make_model, random_ids
+
+from hf_rope_ext import get_method, get_patch_info, patch_model, register_method, unpatch_model
+from hf_rope_ext.auto import choose_configuration
+
+L0 = ORIGINAL_CONTEXT
+# Candidates spelled out with their patch_model arguments, so the reference does not parse the
+# strings the code under test parses.
+CANDIDATES = {
+    "yarn": ("yarn", {}),
+    "ntk": ("ntk", {}),
+    "self-extend:neighbor_window=8": ("self-extend", {"neighbor_window": 8}),
+    "dual-chunk": ("dual-chunk", {}),
+    "self-extend+logn": ("self-extend+logn", {}),
+}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ROPE_EXT_CACHE", str(tmp_path / "cache"))
+
+
+def _reference_losses(model, ids, scale):
+    """Per candidate: (mean loss of all positions, mean loss beyond L0), from the model's own logits."""
+    results = {}
+    for text, (method, params) in CANDIDATES.items():
+        patch_model(model, scale, method, **params)
+        with torch.no_grad():
+            output = model(input_ids=ids[None], labels=ids[None])
+            losses = torch.nn.functional.cross_entropy(output.logits[0, :-1].double(), ids[1:], reduction="none")
+        unpatch_model(model)
+        results[text] = (float(output.loss), float(losses[L0 - 1 :].mean()))
+    return results
+
+
+@pytest.mark.parametrize("objective", ["all", "beyond"])
+def test_the_choice_is_the_lowest_loss_measured_independently(objective):
+    model = make_model("llama")
+    ids = random_ids(3 * L0)[0]
+    reference = _reference_losses(model, ids, 3)
+    choice = choose_configuration(model, ids, 3, candidates=list(CANDIDATES), objective=objective, cache=False,
+                                  progress=False)  # fmt: skip
+    assert [score.configuration for score in choice.scores] == list(CANDIDATES)
+    for score in choice.scores:
+        every, beyond = reference[score.configuration]
+        expected = every if objective == "all" else beyond
+        assert score.mean_loss == pytest.approx(expected, rel=1e-5)
+        assert score.perplexity == pytest.approx(math.exp(expected), rel=1e-5)
+        assert score.perplexity_beyond == pytest.approx(math.exp(beyond), rel=1e-5)
+    index = 0 if objective == "all" else 1
+    best = min(reference, key=lambda text: reference[text][index])
+    assert choice.chosen == best and (choice.method, choice.params) == CANDIDATES[best]
+    assert choice.length == 3 * L0 and choice.scale == 3 and not choice.from_cache
+    assert get_patch_info(model) is None  # measuring leaves the model as it was
+    assert choice.chosen + " (chosen)" in choice.table()
+
+
+def test_patch_model_auto_applies_the_choice_and_unpatches_bitwise():
+    model = make_model("qwen2")
+    ids = random_ids(2 * L0, seed=4)[0]
+    probe = random_ids(2 * L0, seed=5)
+    with torch.no_grad():
+        before = model(probe).logits
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    config = model.config.to_dict()
+    choice = choose_configuration(model, ids, 2, candidates=list(CANDIDATES), progress=False)
+    patch_model(model, 2, "auto", calibration_ids=ids, candidates=list(CANDIDATES))
+    info = get_patch_info(model)
+    assert info.method == get_method(choice.method).name and info.scale == 2
+    assert info.logn_attention == choice.method.endswith("+logn")
+    # the patch is the chosen configuration: the same logits as patching it by name
+    with torch.no_grad():
+        auto_logits = model(probe).logits
+    unpatch_model(model)
+    patch_model(model, 2, choice.method, **choice.params)
+    with torch.no_grad():
+        assert torch.equal(model(probe).logits, auto_logits)
+    unpatch_model(model)
+    with torch.no_grad():
+        assert torch.equal(model(probe).logits, before)
+    assert all(torch.equal(state[key], value) for key, value in model.state_dict().items())
+    assert model.config.to_dict() == config
+
+
+def test_a_previous_patch_is_restored_after_measuring():
+    model = make_model("llama")
+    patch_model(model, 2, "yarn", beta_fast=16)
+    previous = get_patch_info(model)
+    choose_configuration(model, random_ids(2 * L0)[0], 2, candidates=["ntk", "dual-chunk"], cache=False, progress=False)
+    assert get_patch_info(model) == previous
+
+
+def _count_forwards(model):
+    calls = []
+    model.model.register_forward_hook(lambda *args: calls.append(1))
+    return calls
+
+
+def test_the_cache_answers_the_same_question_without_a_forward(tmp_path):
+    model = make_model("llama")
+    ids = random_ids(2 * L0)[0]
+    first = choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], progress=False)
+    path = tmp_path / "cache" / "auto"
+    (cache_file,) = path.iterdir()
+    assert first.cache_path == str(cache_file) and not first.from_cache
+    calls = _count_forwards(model)
+    again = choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], progress=False)
+    assert calls == [] and again.from_cache
+    assert again.scores == first.scores and again.chosen == first.chosen
+    # another text, another candidate list or another length is another question
+    choose_configuration(model, random_ids(2 * L0, seed=9)[0], 2, candidates=["yarn", "ntk"], progress=False)
+    assert len(calls) == 2
+    choose_configuration(model, ids, 2, candidates=["ntk", "yarn"], progress=False)
+    assert len(calls) == 4
+    choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], length=L0 + 8, progress=False)
+    assert len(calls) == 6
+    assert len(json.loads(cache_file.read_text())["entries"]) == 4
+    # another model (other weights) has its own file
+    choose_configuration(make_model("llama", seed=3), ids, 2, candidates=["yarn"], progress=False)
+    assert len(list(path.iterdir())) == 2
+
+
+def test_a_damaged_cache_is_reported_and_measured_again(tmp_path, caplog):
+    model = make_model("llama")
+    ids = random_ids(2 * L0)[0]
+    first = choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], progress=False)
+    cache_file = tmp_path / "cache" / "auto" / next((tmp_path / "cache" / "auto").iterdir()).name
+    # an edited entry: the chosen configuration is not among its scores
+    data = json.loads(cache_file.read_text())
+    (entry,) = data["entries"].values()
+    entry["chosen"] = "linear"
+    cache_file.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="hf_rope_ext.auto"):
+        again = choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], progress=False)
+    assert "damaged entry" in caplog.text and not again.from_cache and again.chosen == first.chosen
+    # a file that is not JSON at all
+    cache_file.write_text("{not json")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_rope_ext.auto"):
+        again = choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], progress=False)
+    assert caplog.text.count("Ignoring the calibration cache") == 1
+    assert [score.mean_loss for score in again.scores] == [score.mean_loss for score in first.scores]
+    assert list(json.loads(cache_file.read_text())["entries"].values())[0]["chosen"] == first.chosen
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"calibration_ids": None}, "needs calibration_ids="),
+        ({"calibration_ids": "some text"}, "not text"),
+        ({"calibration_ids": torch.rand(64)}, "integer token ids"),
+        ({"calibration_ids": torch.zeros(2, 64, dtype=torch.long)}, "one sequence"),
+        ({"calibration_ids": torch.zeros(L0, dtype=torch.long)}, "longer than the native context"),
+        ({"calibration_length": L0}, "longer than the native context"),
+        ({"calibration_length": 3 * L0, "calibration_ids": random_ids(3 * L0)[0]}, "beyond the target context"),
+        ({"calibration_length": 3 * L0}, "has only 64 tokens"),
+        ({"calibration_length": 2.5}, "whole number"),
+        ({"candidates": ["linear", "auto"]}, "cannot include 'auto'"),
+        ({"candidates": ["yarn", "no-such-method"]}, "Unknown RoPE method"),
+        ({"candidates": ["yarn", "self-extend:neighbor_window=40"]}, "candidate 'self-extend:neighbor_window=40'"),
+        ({"candidates": ["yarn", "yarn"]}, "more than once"),
+        ({"candidates": "best"}, "'all' or 'servable'"),
+        ({"candidates": []}, "non-empty"),
+        ({"candidates": ["yarn:beta_fast"]}, "not key=value"),
+        ({"objective": "inside"}, "'all' or 'beyond'"),
+        ({"beta_fast": 32}, "not beta_fast"),
+        ({"logn_attention": True}, "not taken"),
+    ],
+)
+def test_bad_auto_input_is_refused_with_the_cause(kwargs, message):
+    model = make_model("llama")
+    arguments = {"calibration_ids": random_ids(2 * L0)[0], "cache": False, **kwargs}
+    calls = _count_forwards(model)
+    with pytest.raises((ValueError, TypeError), match=message):
+        patch_model(model, 2, "auto", **arguments)
+    assert get_patch_info(model) is None and calls == []  # refused before any forward
+
+
+def test_auto_is_not_a_method_name_elsewhere():
+    with pytest.raises(ValueError, match="not a method but a choice"):
+        get_method("auto")
+    with pytest.raises(ValueError, match="reserved"):
+        register_method("auto", lambda *args: None)
