@@ -283,6 +283,13 @@ def choose_configuration(
     if not isinstance(cache, bool):
         raise TypeError(f"cache must be True or False, got {cache!r}.")
     ids = _calibration_tensor(calibration_ids)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocabulary = getattr(embeddings, "num_embeddings", None)
+    if ids.numel() and (int(ids.min()) < 0 or (vocabulary is not None and int(ids.max()) >= vocabulary)):
+        raise ValueError(
+            f"calibration_ids holds ids outside the model's vocabulary (0 .. {vocabulary - 1 if vocabulary else '?'}): "
+            f"{int(ids.min())} .. {int(ids.max())}. Tokenize with the model's own tokenizer."
+        )
     previous = get_patch_info(model)
     target = _rotary_target(model)  # unpatches, so the fingerprint and the scores start from the original model
     try:

@@ -162,6 +162,8 @@ def test_a_damaged_cache_is_reported_and_measured_again(tmp_path, caplog):
         ({"calibration_ids": "some text"}, "not text"),
         ({"calibration_ids": torch.rand(64)}, "integer token ids"),
         ({"calibration_ids": torch.zeros(2, 64, dtype=torch.long)}, "one sequence"),
+        ({"calibration_ids": torch.full((64,), 500)}, "outside the model's vocabulary"),
+        ({"calibration_ids": torch.full((64,), -1)}, "outside the model's vocabulary"),
         ({"calibration_ids": torch.zeros(L0, dtype=torch.long)}, "longer than the native context"),
         ({"calibration_length": L0}, "longer than the native context"),
         ({"calibration_length": 3 * L0, "calibration_ids": random_ids(3 * L0)[0]}, "beyond the target context"),
