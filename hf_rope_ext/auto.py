@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -179,8 +180,9 @@ def _calibration_tensor(calibration_ids: Any) -> torch.Tensor:
 def _checked_length(length: Any, available: int, original_length: int, target_length: int) -> int:
     if length is None:
         length = min(available, target_length)
-    elif isinstance(length, bool) or not isinstance(length, int):
+    elif isinstance(length, bool) or not isinstance(length, numbers.Integral):
         raise TypeError(f"length must be a whole number of tokens, got {length!r}.")
+    length = int(length)  # numpy and torch integers too
     if length <= original_length:
         raise ValueError(
             f"the calibration forward must be longer than the native context of {original_length} tokens to tell "

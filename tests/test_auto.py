@@ -190,6 +190,15 @@ def test_bad_auto_input_is_refused_with_the_cause(kwargs, message):
     assert get_patch_info(model) is None and calls == []  # refused before any forward
 
 
+def test_numpy_numbers_are_taken_as_plain_ones():
+    import numpy as np
+
+    model = make_model("llama")
+    choice = choose_configuration(model, random_ids(2 * L0)[0].numpy(), np.float64(2), length=np.int64(L0 + 8),
+                                  candidates=["ntk"], cache=False, progress=False)  # fmt: skip
+    assert choice.length == L0 + 8 and type(choice.length) is int and choice.scale == 2
+
+
 def test_auto_is_not_a_method_name_elsewhere():
     with pytest.raises(ValueError, match="not a method but a choice"):
         get_method("auto")
