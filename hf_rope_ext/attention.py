@@ -92,8 +92,9 @@ class PositionRemap:
 
     original_length: int
 
-    def regimes(self, max_position: int) -> list[Regime]:
-        """The regimes needed for queries up to ``max_position``."""
+    def regimes(self, max_position: int, inv_freq: torch.Tensor | None = None) -> list[Regime]:
+        """The regimes needed for queries up to ``max_position`` (``inv_freq``: the model's float64
+        frequencies, for remaps whose positions differ by dimension)."""
         raise NotImplementedError
 
     def max_distance(self, length: int) -> int:
@@ -117,11 +118,39 @@ class SelfExtendRemap(PositionRemap):
     that keeps it there, ``G(i)``, so nearby-enough far tokens are grouped as finely as the
     trained context allows, at any length (the paper fixes one ``G`` for the target length).
     Queries at ``i < L0`` use plain attention (all their distances were trained).
+
+    ``far_positions="by-parts"`` replaces the floor grouping of far keys by YaRN's NTK-by-parts
+    split (Peng et al., ICLR 2024, arXiv 2309.00071) applied to the far regime only: with
+    ``kappa_i = gamma_i + (1 - gamma_i) / G`` (``gamma_i`` YaRN's ramp, 1 for dimensions turning
+    more than ``beta_fast = 32`` times in ``L0``, 0 below ``beta_slow = 1``),
+
+        P_q,i = kappa_i i + (1 - kappa_i) W,    P_k,i = kappa_i j    (dimension i, far keys)
+
+    so the far distance in dimension ``i`` is ``W + kappa_i (d - W)``: fast dimensions keep the
+    true distance (they turn many times within ``L0``, so every angle they produce was trained)
+    and keep the order of nearby far tokens, which floor grouping merges; slow dimensions are
+    divided by ``G`` and stay inside ``L0`` as the grouped positions do. Both regimes still meet
+    at distance ``W``.
     """
 
     group_size: int | None
     neighbor_window: int
     original_length: int
+    far_positions: str = "grouped"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def keep_fraction(self, inv_freq: torch.Tensor, group: int) -> torch.Tensor:
+        """``kappa_i`` of the ``"by-parts"`` far positions for group ``G`` (float64, one per frequency).
+
+        YaRN's ramp over ``r_i = L0 theta_i / (2 pi)``, the turns dimension ``i`` makes in ``L0``:
+        ``gamma_i = clamp((r_i - beta_slow) / (beta_fast - beta_slow), 0, 1)`` and
+        ``kappa_i = gamma_i + (1 - gamma_i) / G``: fast dimensions keep their true positions,
+        slow ones are divided by ``G`` as Self-Extend's groups are.
+        """
+        turns = self.original_length * inv_freq.to(torch.float64) / (2 * math.pi)
+        gamma = ((turns - self.beta_slow) / (self.beta_fast - self.beta_slow)).clamp(0.0, 1.0)
+        return gamma + (1.0 - gamma) / group
 
     def group_for(self, position: int) -> int:
         """``G`` of the query at ``position`` (the fixed group size, or the smallest that fits)."""
@@ -144,8 +173,10 @@ class SelfExtendRemap(PositionRemap):
             groups = torch.where(too_small & (groups == group), group + 1, groups)
         return groups
 
-    def regimes(self, max_position: int) -> list[Regime]:
+    def regimes(self, max_position: int, inv_freq: torch.Tensor | None = None) -> list[Regime]:
         W, L0 = self.neighbor_window, self.original_length
+        if self.far_positions == "by-parts" and inv_freq is None:
+            raise ValueError("self-extend with far_positions='by-parts' needs the model's frequencies.")
 
         def near(pq: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
             return (pq - pk < W) | (pq < L0)
@@ -162,6 +193,17 @@ class SelfExtendRemap(PositionRemap):
                 lo, hi = self.group_for(max(q_lo, L0)), self.group_for(max(q_hi, L0))
                 return _both(far, _status(lo == hi == group, group < lo or group > hi))
 
+            if self.far_positions == "by-parts":
+                keep = self.keep_fraction(inv_freq, group)  # (rd/2,) float64
+
+                # Per-dimension positions (..., rd/2): P_q,i = kappa_i p + (1 - kappa_i) W, P_k,i = kappa_i p.
+                return Regime(
+                    f"by-parts/{group}",
+                    lambda p: p[..., None].to(torch.float64) * keep + (1.0 - keep) * W,
+                    lambda p: p[..., None].to(torch.float64) * keep,
+                    select,
+                    status,
+                )
             return Regime(
                 f"grouped/{group}",
                 lambda p: torch.div(p, group, rounding_mode="floor") + (W - W // group),
@@ -201,7 +243,7 @@ class DualChunkRemap(PositionRemap):
     local_window: int
     original_length: int
 
-    def regimes(self, max_position: int) -> list[Regime]:
+    def regimes(self, max_position: int, inv_freq: torch.Tensor | None = None) -> list[Regime]:
         s, w, L0 = self.chunk_size, self.local_window, self.original_length
 
         def chunk(p: torch.Tensor) -> torch.Tensor:
@@ -248,6 +290,9 @@ class DualChunkRemap(PositionRemap):
         return min(length - 1, self.chunk_size + self.local_window)
 
 
+FAR_POSITIONS = ("grouped", "by-parts")
+
+
 def _whole_number(value: Any, name: str, method: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__index__"):
         raise TypeError(f"{method}: {name} must be a whole number of tokens, got {value!r}.")
@@ -288,7 +333,10 @@ def self_extend_remap(params: Mapping[str, Any]) -> SelfExtendRemap:
         group = _whole_number(group, "group_size", "self-extend")
         if group < 2:
             raise ValueError(f"self-extend: group_size must be at least 2 (1 would not group anything), got {group}.")
-    remap = SelfExtendRemap(group, window, original)
+    far = params.get("far_positions", "grouped")
+    if far not in FAR_POSITIONS:
+        raise ValueError(f"self-extend: far_positions must be one of {FAR_POSITIONS}, got {far!r}.")
+    remap = SelfExtendRemap(group, window, original, far)
     if remap.max_distance(target) >= original:
         needed = math.ceil((target - window) / (original - window)) + 1
         raise ValueError(
@@ -342,7 +390,10 @@ def _rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> tor
     the product is formed in float32 and cast back once.
     """
     rotary_dim = 2 * inv_freq.shape[-1]
-    angles = rope_angles(shift, inv_freq)[:, None]  # (B, 1, N, rd/2)
+    if shift.dim() == 3:  # a shift per dimension (B, N, rd/2)
+        angles = torch.remainder(shift.to(torch.float64) * inv_freq, 2 * math.pi).to(torch.float32)[:, None]
+    else:
+        angles = rope_angles(shift, inv_freq)[:, None]  # (B, 1, N, rd/2)
     cos, sin = angles.cos(), angles.sin()
     cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     rotated = x[..., :rotary_dim].float()
@@ -352,6 +403,14 @@ def _rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> tor
     if rotary_dim == x.shape[-1]:
         return rotated
     return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
+def _shift(position_map: Callable[[torch.Tensor], torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+    """How far ``position_map`` moves ``positions`` (B, N): (B, N), or (B, N, rd/2) for a map per dimension."""
+    mapped = position_map(positions)
+    if mapped.dim() == positions.dim() + 1:
+        return mapped - positions[..., None].to(mapped.dtype)
+    return mapped - positions
 
 
 def _partial_attention(
@@ -454,12 +513,12 @@ def remapped_attention(
     key_positions = key_positions.expand(batch, -1)
     inv_freq = inv_freq.to(query.device)
     regimes = (
-        remap.regimes(int(query_positions.max())) if remap is not None
+        remap.regimes(int(query_positions.max()), inv_freq) if remap is not None
         else [Regime("plain", None, None, lambda pq, pk: pk <= pq)]
     )
     rotated_keys = []
     for regime in regimes:
-        keys = key if regime.key_position is None else _rotate(key, regime.key_position(key_positions) - key_positions, inv_freq)
+        keys = key if regime.key_position is None else _rotate(key, _shift(regime.key_position, key_positions), inv_freq)
         # grouped-query attention: one key head serves heads // kv_heads query heads
         rotated_keys.append(keys.repeat_interleave(heads // kv_heads, dim=1) if heads != kv_heads else keys)
     if heads != kv_heads:
@@ -477,7 +536,7 @@ def remapped_attention(
         last_key = int((key_positions <= pq.max()).sum(dim=-1).max())
         accumulator = _Accumulator()
         for regime, keys in zip(regimes, rotated_keys):
-            qr = q if regime.query_position is None else _rotate(q, regime.query_position(pq) - pq, inv_freq)
+            qr = q if regime.query_position is None else _rotate(q, _shift(regime.query_position, pq), inv_freq)
             _add_regime(
                 accumulator, regime, qr, keys, value, pq, key_positions, base, last_key, scaling
             )

@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import numbers
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -56,10 +57,14 @@ CANDIDATE_SETS = ("all", "servable")
 _SCORING_VERSION = 1
 
 
+_BARE_WORD = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
+
+
 def parse_configuration(text: str) -> tuple[str, dict[str, Any]]:
     """``"self-extend:neighbor_window=2048,group_size=3"`` -> ``("self-extend", {...})``.
 
-    Values are JSON (numbers, true/false, null); the method name may carry ``+logn``.
+    Values are JSON (numbers, true/false, null, quoted strings) or bare words (``by-parts``); the
+    method name may carry ``+logn``.
     """
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"a configuration is 'method[:key=value,...]', got {text!r}.")
@@ -72,7 +77,11 @@ def parse_configuration(text: str) -> tuple[str, dict[str, Any]]:
         try:
             params[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
-            raise ValueError(f"configuration {text!r}: value {value!r} is not a number, true/false or null.") from None
+            if not _BARE_WORD.fullmatch(value.strip()):
+                raise ValueError(
+                    f"configuration {text!r}: value {value!r} is not a number, true/false, null or a word."
+                ) from None
+            params[key.strip()] = value.strip()  # a name, such as far_positions=by-parts
     if not method.strip():
         raise ValueError(f"configuration {text!r} names no method.")
     return method.strip(), params

@@ -808,7 +808,7 @@ for _method in (
     RopeMethod(
         "self-extend",
         attention_level_inv_freq,
-        defaults={"group_size": None, "neighbor_window": None, "frequencies": None},
+        defaults={"group_size": None, "neighbor_window": None, "far_positions": "grouped", "frequencies": None},
         validate=_check_frequencies,
         summary="Self-Extend: trained positions within a neighbour window, grouped (floor(p/G)) positions beyond.",
         attention=lambda params: _attention().self_extend_remap(params),

@@ -40,6 +40,20 @@ def self_extend_positions(i: int, j: int, group: int | None, window: int) -> tup
     return i // group + window - window // group, j // group
 
 
+def self_extend_by_parts_positions(i: int, j: int, group: int | None, window: int, theta: torch.Tensor, beta_fast=32.0, beta_slow=1.0):
+    """Self-Extend's neighbour/far split with YaRN's NTK-by-parts ramp (arXiv 2309.00071, eq. 17-18) on far
+    keys: per frequency, ``kappa = gamma + (1 - gamma) / G`` with ``gamma`` the ramp of ``r = L0 theta / 2 pi``;
+    ``P_q = kappa i + (1 - kappa) W``, ``P_k = kappa j`` (tensors, one position per frequency)."""
+    if i - j < window or i < L0:
+        return i, j
+    if group is None:
+        group = next(g for g in range(2, i + 2) if i // g + window - window // g < L0)
+    turns = L0 * theta / (2 * math.pi)
+    gamma = torch.clamp((turns - beta_slow) / (beta_fast - beta_slow), 0, 1)
+    kappa = gamma + (1 - gamma) / group
+    return kappa * i + (1 - kappa) * window, kappa * j
+
+
 def dual_chunk_positions(i: int, j: int, chunk: int, local: int) -> tuple[int, int]:
     """An et al. 2024, sec. 3 / ChunkLlama's code; plain attention for queries inside L0."""
     if i < L0:
@@ -69,13 +83,14 @@ def naive_attention_factory(position_fn, theta: torch.Tensor, logn: bool = False
         key = key.repeat_interleave(groups, 1).double()
         value = value.repeat_interleave(groups, 1).double()
         query = query.double()
-        delta = torch.zeros(length, length, dtype=torch.float64)  # extra key rotation relative to the query's
+        # extra key rotation relative to the query's, per frequency (positions may differ by dimension)
+        delta = torch.zeros(length, length, theta.shape[0], dtype=torch.float64)
         for i in range(length):
             for j in range(i + 1):
                 pq, pk = position_fn(i, j)
-                delta[i, j] = (pk - j) - (pq - i)
+                delta[i, j] = (torch.as_tensor(pk, dtype=torch.float64) - j) - (torch.as_tensor(pq, dtype=torch.float64) - i)
         # (R(a) q) . (R(b) k) = q . R(b - a) k
-        keys = _rotation(key[:, :, None, :, :], delta[None, None, :, :, None] * theta)  # (B, H, i, j, D)
+        keys = _rotation(key[:, :, None, :, :], delta[None, None] * theta)  # (B, H, i, j, D)
         scores = torch.einsum("bhid,bhijd->bhij", query, keys) * scaling
         if logn:
             factor = torch.tensor([max(1.0, math.log(i + 1) / math.log(L0)) for i in range(length)], dtype=torch.float64)
@@ -125,6 +140,53 @@ PAPER_CASES = {
     "self-extend per-query group": ({"neighbor_window": 8}, lambda i, j: self_extend_positions(i, j, None, 8)),
     "dual-chunk": ({"chunk_size": 20, "local_window": 4}, lambda i, j: dual_chunk_positions(i, j, 20, 4)),
 }
+
+
+@pytest.mark.parametrize("group", [6, None])
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_by_parts_far_positions_match_naive_reference(family, implementation, group):
+    model = make_model(family, attn_implementation=implementation)
+    ids = random_ids(LENGTH)
+    head_dim = model.model.layers[0].self_attn.head_dim
+    theta = 1.0 / model.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    expected = reference_logits(model, ids, lambda i, j: self_extend_by_parts_positions(i, j, group, 8, theta))
+    grouped = reference_logits(model, ids, lambda i, j: self_extend_positions(i, j, group, 8))
+    patch_model(model, scale=4, method="self-extend", group_size=group, neighbor_window=8, far_positions="by-parts")
+    with torch.no_grad():
+        actual = model(ids).logits
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+    # and it is not the floor-grouped variant beyond L0
+    assert (grouped[:, L0:] - expected[:, L0:]).abs().max() > 1e-2
+
+
+def test_by_parts_keeps_fast_dimensions_exact():
+    """With a ramp that keeps the fast half of the dimensions, those see the true distance and the
+    slow ones W + (d - W) / G: the kernel against a float64 softmax with rotations per dimension."""
+    torch.manual_seed(0)
+    length, dim = 90, 16
+    theta = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    remap = attention_level.SelfExtendRemap(3, 8, L0, "by-parts", beta_fast=3.0, beta_slow=1.0)
+    kappa = remap.keep_fraction(theta, 3)
+    turns = L0 * theta / (2 * math.pi)
+    assert torch.equal(kappa[turns >= 3], torch.ones(int((turns >= 3).sum()), dtype=torch.float64))
+    assert torch.allclose(kappa[turns <= 1], torch.full((int((turns <= 1).sum()),), 1 / 3, dtype=torch.float64))
+    assert (turns >= 3).any() and (turns <= 1).any()
+    query, key, value = torch.randn(1, 2, length, dim), torch.randn(1, 2, length, dim), torch.randn(1, 2, length, dim)
+    positions = torch.arange(length)
+    rq = _rotation(query.double(), positions[:, None].double() * theta)
+    rk = _rotation(key.double(), positions[:, None].double() * theta)
+    scores = torch.full((1, 2, length, length), -math.inf, dtype=torch.float64)
+    for i in range(length):
+        for j in range(i + 1):
+            pq, pk = self_extend_by_parts_positions(i, j, 3, 8, theta, beta_fast=3.0, beta_slow=1.0)
+            shift = (torch.as_tensor(pk, dtype=torch.float64) - j) - (torch.as_tensor(pq, dtype=torch.float64) - i)
+            scores[0, :, i, j] = (rq[0, :, i] * _rotation(rk[0, :, j], shift * theta)).sum(-1) * 0.25
+    expected = torch.matmul(scores.softmax(-1), value.double()).transpose(1, 2)
+    actual = attention_level.remapped_attention(
+        rq.float(), rk.float(), value, query_positions=positions[None], key_positions=positions[None],
+        allowed=lambda a, b: None, remap=remap, inv_freq=theta, scaling=0.25, query_chunk=7,
+    )
+    torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", list(PAPER_CASES))
@@ -186,15 +248,17 @@ def test_paper_position_maps_bound_every_distance():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["self-extend", "dual-chunk"])
+@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk"])
 def test_chunked_equals_unchunked(method, monkeypatch):
     torch.manual_seed(0)
     length = 90
     query, key, value = torch.randn(2, 4, length, 16), torch.randn(2, 2, length, 16), torch.randn(2, 2, length, 16)
     positions = torch.arange(length)[None]
-    remap = (
-        attention_level.SelfExtendRemap(3, 8, L0) if method == "self-extend" else attention_level.DualChunkRemap(20, 4, L0)
-    )
+    remap = {
+        "self-extend": attention_level.SelfExtendRemap(3, 8, L0),
+        "self-extend by-parts": attention_level.SelfExtendRemap(None, 8, L0, "by-parts"),
+        "dual-chunk": attention_level.DualChunkRemap(20, 4, L0),
+    }[method]
     theta = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
     common = dict(query_positions=positions, key_positions=positions, allowed=lambda a, b: None, remap=remap,
                   inv_freq=theta, scaling=0.25)
@@ -220,11 +284,15 @@ def _generation_matches_full_forward(model, ids, attention_mask=None, **kwargs):
     torch.testing.assert_close(generated, full[:, ids.shape[1] - 1 : -1], atol=5e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "yarn+logn"])
+@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk", "yarn+logn"])
 def test_generation_with_cache_equals_full_forward(family, method):
     model = make_model(family, attn_implementation="sdpa")
-    params = {"self-extend": {"neighbor_window": 8}, "dual-chunk": {"chunk_size": 20, "local_window": 4}}.get(method, {})
-    patch_model(model, scale=4, method=method, **params)
+    params = {
+        "self-extend": {"neighbor_window": 8},
+        "self-extend by-parts": {"neighbor_window": 8, "far_positions": "by-parts"},
+        "dual-chunk": {"chunk_size": 20, "local_window": 4},
+    }.get(method, {})
+    patch_model(model, scale=4, method=method.split()[0], **params)
     _generation_matches_full_forward(model, random_ids(20))
 
 
@@ -309,6 +377,8 @@ def test_group_per_query_reaches_the_edge_of_the_trained_distances_and_no_furthe
         ("self-extend", {"group_size": 2, "neighbor_window": 16}, "use group_size >="),
         ("self-extend", {"group_size": "4"}, "whole number"),
         ("self-extend", {"window": 8}, "accepts: group_size, neighbor_window"),
+        ("self-extend", {"far_positions": "yarn"}, "far_positions must be one of"),
+        ("self-extend", {"far_positions": None}, "far_positions must be one of"),
         ("dual-chunk", {"chunk_size": 30, "local_window": 4}, "chunk_size \\+ local_window <"),
         ("dual-chunk", {"chunk_size": 0}, "1 <= chunk_size"),
         ("dual-chunk", {"local_window": -1}, "local_window must be >= 0"),

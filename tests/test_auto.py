@@ -204,3 +204,17 @@ def test_auto_is_not_a_method_name_elsewhere():
         get_method("auto")
     with pytest.raises(ValueError, match="reserved"):
         register_method("auto", lambda *args: None)
+
+
+def test_configuration_values_are_json_or_bare_words():
+    from hf_rope_ext.auto import parse_configuration
+
+    assert parse_configuration("self-extend:neighbor_window=2048,far_positions=by-parts") == (
+        "self-extend", {"neighbor_window": 2048, "far_positions": "by-parts"}
+    )
+    assert parse_configuration('self-extend:far_positions="by-parts",group_size=null') == (
+        "self-extend", {"far_positions": "by-parts", "group_size": None}
+    )
+    for bad in ("self-extend:neighbor_window=2 048", "self-extend:far_positions=by parts", "yarn:beta_fast=[1"):
+        with pytest.raises(ValueError, match="is not a number, true/false, null or a word"):
+            parse_configuration(bad)

@@ -810,3 +810,52 @@ def test_steps_per_doubling_on_the_command_line():
             parse_steps_per_doubling(bad)
     with pytest.raises(SystemExit):
         cli_main(["eval", "--methods", "dynamic", "--steps-per-doubling", "0", "--output-dir", "unused"])
+
+
+def test_compare_retrieval_example_matches_the_library_and_resumes(tiny_checkpoint, tmp_path, monkeypatch):
+    """examples/compare_retrieval.py: the evaluation tool's prompts and greedy outputs for configurations with
+    parameters, and a teacher-forced answer log-probability equal to a float64 log-softmax of the full logits."""
+    import importlib.util
+    import random
+    import sys
+
+    from hf_rope_ext import patch_model, unpatch_model
+    from hf_rope_ext.evaluation.retrieval import make_trial, retrieval_accuracy, trial_seed
+    from hf_rope_ext.loading import load_model
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "compare_retrieval.py"
+    spec = importlib.util.spec_from_file_location("compare_retrieval", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    output = tmp_path / "out"
+    configs = "yarn;self-extend:neighbor_window=64,far_positions=by-parts"
+    argv = ["compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--configs",
+            configs, "--tasks", "passkey", "--depths", "0.5", "--trials", "2", "--answer-logprob", "--output-dir",
+            str(output)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    module.main()
+    records = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
+    assert [r["config"] for r in records] == ["yarn", "self-extend:neighbor_window=64,far_positions=by-parts"]
+
+    model, tokenizer = load_model(str(tiny_checkpoint), device="cpu")
+    for record, (method, params) in zip(records, [("yarn", {}), ("self-extend", {"neighbor_window": 64, "far_positions": "by-parts"})]):
+        patch_model(model, 2, method, **params)
+        expected = retrieval_accuracy(model, tokenizer, "passkey", 512, 0.5, trials=2, progress=False)
+        assert [t["output"] for t in record["trials"]] == expected.outputs
+        assert record["correct"] == expected.correct
+        rng = random.Random(trial_seed(0, "passkey", 512, 0.5))
+        for trial in record["trials"]:
+            prompt = make_trial("passkey", tokenizer, 504, 0.5, rng)
+            answer = tokenizer(" " + prompt.answer, add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt.input_ids + answer])).logits[0].double()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            reference = sum(float(logprobs[len(prompt.input_ids) - 1 + k, token]) for k, token in enumerate(answer))
+            assert trial["answer"] == prompt.answer
+            assert trial["answer_logprob"] == pytest.approx(reference, abs=1e-3)
+        unpatch_model(model)
+
+    before = (output / "results.jsonl").read_text()
+    module.main()  # a rerun finds every case done
+    assert (output / "results.jsonl").read_text() == before
+    assert "| yarn | 2 | 512 | passkey | 0.5 |" in (output / "table.md").read_text()

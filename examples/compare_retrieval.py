@@ -1,0 +1,153 @@
+"""Passkey and needle retrieval for method configurations with their own parameters.
+
+`hf-rope-ext eval` takes method names; this script takes full configurations (method and the
+method's parameters), like `compare_configurations.py` does for perplexity. The prompts are the
+evaluation tool's (`hf_rope_ext.evaluation.retrieval`, same seeds), so its results compare with
+`hf-rope-ext eval` runs at the same length, depth and seed. With `--answer-logprob`, each trial
+also records the log-probability of the answer under teacher forcing (one more forward over
+prompt and answer), a graded measure of how close a miss or a hit was. Each case is appended to
+`<output-dir>/results.jsonl` when done; rerunning skips finished cases.
+
+    python examples/compare_retrieval.py --model smollm2 --length 16384 --scale 2 --depths 0.5 --trials 2 \\
+        --output-dir outputs/retrieval_configs --configs "yarn;self-extend:neighbor_window=1024,far_positions=by-parts"
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from hf_rope_ext import patch_model, unpatch_model
+from hf_rope_ext.arguments import (
+    add_attn_implementation_argument,
+    add_model_argument,
+    add_option,
+    add_output_dir_argument,
+    argument_parser,
+)
+from hf_rope_ext.auto import parse_configuration
+from hf_rope_ext.evaluation.records import read_records
+from hf_rope_ext.evaluation.retrieval import TASKS, grade, greedy_generate, make_trial, trial_seed
+from hf_rope_ext.files import atomic_write_text
+from hf_rope_ext.loading import load_model
+
+logger = logging.getLogger("compare_retrieval")
+
+MAX_NEW_TOKENS = 8  # as hf-rope-ext eval: the prompt has length - 8 tokens
+
+
+def _floats(text: str, name: str, parser) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        parser.error(f"{name} takes comma-separated numbers, got {text!r}")
+    if not values:
+        parser.error(f"{name} is empty")
+    return values
+
+
+@torch.no_grad()
+def answer_logprob(model, prompt_ids: list[int], answer_ids: list[int]) -> float:
+    """Sum of log p(answer token | prompt, earlier answer tokens), from one forward."""
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([prompt_ids + answer_ids], device=device)
+    logits = model(ids, logits_to_keep=len(answer_ids) + 1).logits[0, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return float(sum(logprobs[index, token] for index, token in enumerate(answer_ids)))
+
+
+def main() -> None:
+    parser = argument_parser(__doc__.split("\n")[0])
+    add_model_argument(parser)
+    add_option(parser, "--length", type=int, required=True, help="tokens per prompt, answer included")
+    add_option(parser, "--scale", type=float, required=True)
+    add_option(parser, "--configs", required=True, help="';'-separated method[:key=value,...]; 'none' = unpatched")
+    add_option(parser, "--tasks", default="passkey,needle", help=f"comma-separated, of {', '.join(TASKS)}")
+    add_option(parser, "--depths", default="0.1,0.5,0.9", help="comma-separated needle depths in [0, 1]")
+    add_option(parser, "--trials", type=int, default=2)
+    add_option(parser, "--seed", type=int, default=0)
+    parser.add_argument("--answer-logprob", action="store_true", help="also score the answer by teacher forcing")
+    add_output_dir_argument(parser, help="results.jsonl and table.md go here")
+    add_attn_implementation_argument(parser, choices=("sdpa", "eager", "flash_attention_2"))
+    args = parser.parse_args()
+    specs = [part.strip() for part in args.configs.split(";") if part.strip()]
+    try:
+        configurations = [parse_configuration(spec) for spec in specs]  # checked before the model loads
+    except ValueError as error:
+        parser.error(str(error))
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    unknown = [task for task in tasks if task not in TASKS]
+    if unknown or not tasks:
+        parser.error(f"--tasks takes {', '.join(TASKS)}, got {args.tasks!r}")
+    depths = _floats(args.depths, "--depths", parser)
+    if any(not 0.0 <= depth <= 1.0 for depth in depths):
+        parser.error(f"--depths must lie in [0, 1], got {args.depths!r}")
+    if args.trials < 1:
+        parser.error(f"--trials must be at least 1, got {args.trials}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    results_path = output / "results.jsonl"
+    done = {record["key"] for record in read_records(results_path)}
+
+    model, tokenizer = load_model(args.model, attn_implementation=args.attn_implementation)
+    native = int(model.config.max_position_embeddings)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    for spec, (method, params) in zip(specs, configurations):
+        for task in tasks:
+            for depth in depths:
+                key = json.dumps({"config": spec, "scale": args.scale, "length": args.length, "task": task,
+                                  "depth": depth, "trials": args.trials, "seed": args.seed,
+                                  "answer_logprob": args.answer_logprob}, sort_keys=True)
+                if key in done:
+                    logger.info("%s %s depth %g: already done", spec, task, depth)
+                    continue
+                if method != "none":
+                    patch_model(model, args.scale, method, original_max_length=native, **params)
+                try:
+                    rng = random.Random(trial_seed(args.seed, task, args.length, depth))
+                    start = time.perf_counter()
+                    trials = []
+                    for _ in range(args.trials):
+                        prompt = make_trial(task, tokenizer, args.length - MAX_NEW_TOKENS, depth, rng)
+                        new = greedy_generate(model, prompt.input_ids, MAX_NEW_TOKENS, eos_token_id=eos, pad_token_id=pad)
+                        text = tokenizer.decode(new, skip_special_tokens=True)
+                        trial = {"answer": prompt.answer, "output": text, "correct": grade(text, prompt.answer)}
+                        if args.answer_logprob:
+                            answer_ids = tokenizer(" " + prompt.answer, add_special_tokens=False)["input_ids"]
+                            trial["answer_logprob"] = answer_logprob(model, prompt.input_ids, answer_ids)
+                        trials.append(trial)
+                    seconds = time.perf_counter() - start
+                finally:
+                    if method != "none":
+                        unpatch_model(model)
+                record = {"key": key, "config": spec, "scale": args.scale, "length": args.length, "task": task,
+                          "depth": depth, "correct": sum(t["correct"] for t in trials), "trials": trials,
+                          "seconds": seconds}
+                fresh_line = not results_path.exists() or results_path.read_bytes()[-1:] in (b"", b"\n")
+                with results_path.open("a") as handle:
+                    handle.write(("" if fresh_line else "\n") + json.dumps(record) + "\n")
+                logger.info("%s %s depth %g: %d/%d %s (%.0f s)", spec, task, depth, record["correct"], len(trials),
+                            [t["output"] for t in trials], seconds)
+
+    lines = ["| config | scale | length | task | depth | correct | outputs | answer log-prob (mean) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in read_records(results_path):
+        scores = [t["answer_logprob"] for t in r["trials"] if "answer_logprob" in t]
+        mean = f"{sum(scores) / len(scores):.2f}" if scores else ""
+        outputs = "; ".join(repr(t["output"]) for t in r["trials"])
+        lines.append(f"| {r['config']} | {r['scale']:g} | {r['length']} | {r['task']} | {r['depth']:g} | "
+                     f"{r['correct']}/{len(r['trials'])} | {outputs} | {mean} |")
+    atomic_write_text(output / "table.md", "\n".join(lines) + "\n")
+    logger.info("\n%s", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
