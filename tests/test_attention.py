@@ -497,12 +497,14 @@ def test_gradients_match_the_reference():
         assert (actual.grad - expected.grad).abs().max() <= 1e-4 * scale, (name, (actual.grad - expected.grad).abs().max(), scale)
 
 
-@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "yarn+logn"])
+@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk", "yarn+logn"])
 def test_saved_checkpoint_loads_back_into_the_same_patch(method, tmp_path):
     from hf_rope_ext.hub import load_patched, save_patched
 
     model = make_model("llama", attn_implementation="sdpa")
-    patch_model(model, scale=4, method=method)
+    params = {"far_positions": "by-parts", "neighbor_window": 8} if method.endswith("by-parts") else {}
+    method = method.split()[0]
+    patch_model(model, scale=4, method=method, **params)
     ids = random_ids(LENGTH)
     with torch.no_grad():
         expected = model(ids).logits
@@ -510,6 +512,7 @@ def test_saved_checkpoint_loads_back_into_the_same_patch(method, tmp_path):
     loaded = load_patched(tmp_path / "checkpoint", attn_implementation="sdpa")
     info = get_patch_info(loaded)
     assert (info.method, info.logn_attention) == (method.removesuffix("+logn"), method.endswith("+logn"))
+    assert {key: info.params[key] for key in params} == params
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, expected)
 
