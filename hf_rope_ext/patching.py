@@ -206,9 +206,9 @@ def patch_model(
         logn_attention: multiply the attention logits of the query at position ``i`` by
             ``max(1, ln(i + 1) / ln(L0))`` (log-n attention temperature), with any method.
             Also spelled as a ``+logn`` suffix of the method name (``"self-extend+logn"``).
-        **params: the method's own parameters (e.g. ``beta_fast=32`` for yarn; ``group_size``
-            and ``neighbor_window`` for self-extend; ``chunk_size`` and ``local_window`` for
-            dual-chunk).
+        **params: the method's own parameters (e.g. ``beta_fast=32`` for yarn; ``group_size``,
+            ``neighbor_window`` and ``far_positions`` (``"grouped"`` or ``"by-parts"``) for
+            self-extend; ``chunk_size`` and ``local_window`` for dual-chunk).
 
     ``method="auto"`` measures candidate configurations on a calibration text and applies the
     best (:mod:`hf_rope_ext.auto`); it takes ``calibration_ids`` (required), ``candidates``,
