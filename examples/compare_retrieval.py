@@ -115,7 +115,7 @@ def main() -> None:
                     rng = random.Random(trial_seed(args.seed, task, args.length, depth))
                     start = time.perf_counter()
                     trials = []
-                    for _ in range(args.trials):
+                    for number in range(1, args.trials + 1):
                         prompt = make_trial(task, tokenizer, args.length - MAX_NEW_TOKENS, depth, rng)
                         new = greedy_generate(model, prompt.input_ids, MAX_NEW_TOKENS, eos_token_id=eos, pad_token_id=pad)
                         text = tokenizer.decode(new, skip_special_tokens=True)
@@ -124,6 +124,9 @@ def main() -> None:
                             answer_ids = tokenizer(" " + prompt.answer, add_special_tokens=False)["input_ids"]
                             trial["answer_logprob"] = answer_logprob(model, prompt.input_ids, answer_ids)
                         trials.append(trial)
+                        # one prompt takes minutes to an hour on a CPU: say where the case stands
+                        logger.info("%s %s depth %g: trial %d/%d %r (%.0f s so far)", spec, task, depth, number,
+                                    args.trials, text, time.perf_counter() - start)
                     seconds = time.perf_counter() - start
                 finally:
                     if method != "none":
