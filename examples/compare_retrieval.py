@@ -5,8 +5,10 @@ method's parameters), like `compare_configurations.py` does for perplexity. The 
 evaluation tool's (`hf_rope_ext.evaluation.retrieval`, same seeds), so its results compare with
 `hf-rope-ext eval` runs at the same length, depth and seed. With `--answer-logprob`, each trial
 also records the log-probability of the answer under teacher forcing (one more forward over
-prompt and answer), a graded measure of how close a miss or a hit was. Each case is appended to
-`<output-dir>/results.jsonl` when done; rerunning skips finished cases.
+prompt and answer), a graded measure of how close a miss or a hit was. Each trial is appended to
+`<output-dir>/trials.jsonl` as soon as it ends and each case to `<output-dir>/results.jsonl`;
+rerunning the same command skips finished cases and, inside an interrupted case, finished trials
+(a 64k prompt takes over an hour on a CPU).
 
     python examples/compare_retrieval.py --model smollm2 --length 16384 --scale 2 --depths 0.5 --trials 2 \\
         --output-dir outputs/retrieval_configs --configs "yarn;self-extend:neighbor_window=1024,far_positions=by-parts"
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -49,6 +52,31 @@ def _floats(text: str, name: str, parser) -> list[float]:
     if not values:
         parser.error(f"{name} is empty")
     return values
+
+
+def append_record(path: Path, record: dict) -> None:
+    """Append one JSON line and flush it to disk; never glue it onto a last line without its newline."""
+    fresh_line = not path.exists() or path.read_bytes()[-1:] in (b"", b"\n")
+    with path.open("a") as handle:
+        handle.write(("" if fresh_line else "\n") + json.dumps(record) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _stored_trial(stored: dict, answer: str, needs_logprob: bool) -> dict | None:
+    """A finished trial read back from trials.jsonl, or None if it is not this prompt's or lacks a field.
+
+    The grade is recomputed from the stored output, so an edited ``correct`` counts for nothing.
+    """
+    output, seconds = stored.get("output"), stored.get("seconds")
+    if stored.get("answer") != answer or not isinstance(output, str) or not isinstance(seconds, (int, float)):
+        return None
+    trial = {"answer": answer, "output": output, "correct": grade(output, answer), "seconds": float(seconds)}
+    if needs_logprob:
+        if not isinstance(stored.get("answer_logprob"), (int, float)):
+            return None
+        trial["answer_logprob"] = float(stored["answer_logprob"])
+    return trial
 
 
 @torch.no_grad()
@@ -94,7 +122,9 @@ def main() -> None:
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     results_path = output / "results.jsonl"
+    trials_path = output / "trials.jsonl"
     done = {record["key"] for record in read_records(results_path)}
+    finished_trials = {(record.get("key"), record.get("trial")): record for record in read_records(trials_path)}
 
     model, tokenizer = load_model(args.model, attn_implementation=args.attn_implementation)
     native = int(model.config.max_position_embeddings)
@@ -116,27 +146,39 @@ def main() -> None:
                     start = time.perf_counter()
                     trials = []
                     for number in range(1, args.trials + 1):
+                        # every prompt is drawn, finished or not, so the generator stays in step
                         prompt = make_trial(task, tokenizer, args.length - MAX_NEW_TOKENS, depth, rng)
+                        stored = finished_trials.get((key, number))
+                        reused = stored and _stored_trial(stored, prompt.answer, args.answer_logprob)
+                        if reused:
+                            trials.append(reused)
+                            logger.info("%s %s depth %g: trial %d/%d already done", spec, task, depth, number, args.trials)
+                            continue
+                        if stored is not None:
+                            logger.warning("%s: the record of trial %d of %s %s depth %g does not fit this prompt (key %r) "
+                                           "or lacks a field; running it again", trials_path, number, spec, task, depth,
+                                           prompt.answer)  # fmt: skip
+                        trial_start = time.perf_counter()
                         new = greedy_generate(model, prompt.input_ids, MAX_NEW_TOKENS, eos_token_id=eos, pad_token_id=pad)
                         text = tokenizer.decode(new, skip_special_tokens=True)
                         trial = {"answer": prompt.answer, "output": text, "correct": grade(text, prompt.answer)}
                         if args.answer_logprob:
                             answer_ids = tokenizer(" " + prompt.answer, add_special_tokens=False)["input_ids"]
                             trial["answer_logprob"] = answer_logprob(model, prompt.input_ids, answer_ids)
+                        trial["seconds"] = time.perf_counter() - trial_start
+                        append_record(trials_path, {"key": key, "trial": number, **trial})
                         trials.append(trial)
                         # one prompt takes minutes to an hour on a CPU: say where the case stands
                         logger.info("%s %s depth %g: trial %d/%d %r (%.0f s so far)", spec, task, depth, number,
                                     args.trials, text, time.perf_counter() - start)
-                    seconds = time.perf_counter() - start
+                    seconds = sum(trial["seconds"] for trial in trials)  # resumed trials keep their own time
                 finally:
                     if method != "none":
                         unpatch_model(model)
                 record = {"key": key, "config": spec, "scale": args.scale, "length": args.length, "task": task,
                           "depth": depth, "correct": sum(t["correct"] for t in trials), "trials": trials,
                           "seconds": seconds}
-                fresh_line = not results_path.exists() or results_path.read_bytes()[-1:] in (b"", b"\n")
-                with results_path.open("a") as handle:
-                    handle.write(("" if fresh_line else "\n") + json.dumps(record) + "\n")
+                append_record(results_path, record)
                 logger.info("%s %s depth %g: %d/%d %s (%.0f s)", spec, task, depth, record["correct"], len(trials),
                             [t["output"] for t in trials], seconds)
 

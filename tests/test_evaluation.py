@@ -859,3 +859,64 @@ def test_compare_retrieval_example_matches_the_library_and_resumes(tiny_checkpoi
     module.main()  # a rerun finds every case done
     assert (output / "results.jsonl").read_text() == before
     assert "| yarn | 2 | 512 | passkey | 0.5 |" in (output / "table.md").read_text()
+
+
+def test_compare_retrieval_example_resumes_inside_a_case(tiny_checkpoint, tmp_path, monkeypatch):
+    """A run stopped after the first trial of a case keeps that trial: the rerun generates only the
+    second prompt, and the case equals an uninterrupted run (the library's outputs for the same patch)."""
+    import importlib.util
+    import sys
+
+    from hf_rope_ext import patch_model
+    from hf_rope_ext.evaluation.retrieval import retrieval_accuracy
+    from hf_rope_ext.loading import load_model
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "compare_retrieval.py"
+    spec = importlib.util.spec_from_file_location("compare_retrieval_resume", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    output = tmp_path / "out"
+    argv = ["compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--configs",
+            "self-extend:neighbor_window=64", "--tasks", "passkey", "--depths", "0.5", "--trials", "2",
+            "--output-dir", str(output)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    real_generate = module.greedy_generate
+    prompts = []
+
+    def stopped_at_second(model, input_ids, *args, **kwargs):
+        prompts.append(list(input_ids))
+        if len(prompts) == 2:
+            raise KeyboardInterrupt  # Ctrl-C during the second prompt
+        return real_generate(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(module, "greedy_generate", stopped_at_second)
+    with pytest.raises(KeyboardInterrupt):
+        module.main()
+    assert not (output / "results.jsonl").exists()
+    (first,) = [json.loads(line) for line in (output / "trials.jsonl").read_text().splitlines()]
+    assert first["trial"] == 1
+
+    def counted(model, input_ids, *args, **kwargs):
+        prompts.append(list(input_ids))
+        return real_generate(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(module, "greedy_generate", counted)
+    module.main()
+    assert len(prompts) == 3 and prompts[2] == prompts[1]  # only the interrupted prompt ran again
+    (record,) = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
+    model, tokenizer = load_model(str(tiny_checkpoint), device="cpu")
+    patch_model(model, 2, "self-extend", neighbor_window=64)
+    expected = retrieval_accuracy(model, tokenizer, "passkey", 512, 0.5, trials=2, progress=False)
+    assert [t["output"] for t in record["trials"]] == expected.outputs
+    assert [t["answer"] for t in record["trials"]] == expected.answers
+    assert record["correct"] == expected.correct
+
+    # An edited trial record that no longer fits its prompt is run again, not trusted.
+    lines = (output / "trials.jsonl").read_text().splitlines()
+    edited = dict(json.loads(lines[0]), answer="00000")
+    (output / "trials.jsonl").write_text(json.dumps(edited) + "\n")
+    (output / "results.jsonl").unlink()
+    module.main()
+    assert len(prompts) == 5  # both trials generated again: the first no longer fits, the second was removed
+    (again,) = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
+    assert [t["output"] for t in again["trials"]] == expected.outputs
