@@ -387,19 +387,20 @@ def _rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> tor
     """Rotate ``x`` (B, H, N, D; rotate-half layout) by ``shift`` (B, N) more positions.
 
     Angles from float64 frequencies, reduced modulo 2 pi (see :func:`hf_rope_ext.rotary.rope_angles`);
-    the product is formed in float32 and cast back once.
+    the product is formed in float32 and cast back once. Works on the two halves directly
+    (``[x1 cos - x2 sin, x2 cos + x1 sin]``): over a long cache this runs once per layer and
+    regime, so it avoids building full-width cos/sin tables.
     """
-    rotary_dim = 2 * inv_freq.shape[-1]
+    half = inv_freq.shape[-1]
+    rotary_dim = 2 * half
     if shift.dim() == 3:  # a shift per dimension (B, N, rd/2)
         angles = torch.remainder(shift.to(torch.float64) * inv_freq, 2 * math.pi).to(torch.float32)[:, None]
     else:
         angles = rope_angles(shift, inv_freq)[:, None]  # (B, 1, N, rd/2)
     cos, sin = angles.cos(), angles.sin()
-    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-    rotated = x[..., :rotary_dim].float()
-    half = rotary_dim // 2
-    turned = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
-    rotated = (rotated * cos + turned * sin).to(x.dtype)
+    first, second = x[..., :half].float(), x[..., half:rotary_dim].float()
+    parts = [first * cos - second * sin, second * cos + first * sin]
+    rotated = torch.cat(parts, dim=-1).to(x.dtype)
     if rotary_dim == x.shape[-1]:
         return rotated
     return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
@@ -418,27 +419,40 @@ def _partial_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a subset of keys: ``(output (B, H, C, D), log-sum-exp (B, H, C) float32)``.
 
-    ``allowed`` (B, 1, C, K) bool or None (all). Rows with no allowed key get output 0 and
-    log-sum-exp ``-inf``, so they drop out of the merge.
+    ``key``/``value`` have ``Hkv`` heads, ``H`` a multiple of it (grouped-query attention: query
+    head ``h`` reads key head ``h // (H / Hkv)``). ``allowed`` (B, 1, C, K) bool or None (all).
+    Rows with no allowed key get output 0 and log-sum-exp ``-inf``, so they drop out of the merge.
     """
+    batch, heads, rows, dim = query.shape
+    repeat = heads // key.shape[1]
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     # The fused kernel's backward ignores the gradient of its log-sum-exp, which the merge needs:
     # it serves inference only.
     if query.device.type == "cpu" and not needs_grad:
-        bias = None
-        if allowed is not None:
+        if allowed is None:
+            # the query heads of one key head become rows of one head: no copy of the keys
+            folded = query.reshape(batch, heads // repeat, repeat * rows, dim)
+            output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                folded, key, value, 0.0, False, attn_mask=None, scale=scaling
+            )
+            output, lse = output.reshape(batch, heads, rows, dim), lse.reshape(batch, heads, rows)
+        else:  # a masked tile: its keys are copied per query head (the mask cannot follow a fold)
+            if repeat > 1:
+                key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
             bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, -math.inf)
-        output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, False, attn_mask=bias, scale=scaling
-        )
+            output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, False, attn_mask=bias, scale=scaling
+            )
         lse = lse.float()
     else:  # explicit float32 computation (any device, and training); the tiles are small
-        scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+        folded = query.float().reshape(batch, heads // repeat, repeat, rows, dim)
+        scores = torch.matmul(folded, key.float()[:, :, None].transpose(-1, -2)) * scaling  # (B, Hkv, r, C, K)
         if allowed is not None:
-            scores = scores.masked_fill(~allowed, -math.inf)
+            scores = scores.masked_fill(~allowed[:, :, None], -math.inf)
         lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
-        output = torch.matmul(weights, value.float()).to(query.dtype)
+        output = torch.matmul(weights, value.float()[:, :, None]).to(query.dtype)
+        output, lse = output.reshape(batch, heads, rows, dim), lse.reshape(batch, heads, rows)
     if allowed is not None:
         empty = ~allowed.any(dim=-1)  # (B, 1, C)
         if bool(empty.any()):
@@ -508,21 +522,25 @@ def remapped_attention(
         logn_length: if set, ``L0`` of the log-n attention temperature.
     """
     batch, heads, query_len, _ = query.shape
-    kv_heads = key.shape[1]
+    if heads % key.shape[1]:
+        raise ValueError(f"{heads} query heads cannot share {key.shape[1]} key heads evenly.")
     query_positions = query_positions.expand(batch, -1)
     key_positions = key_positions.expand(batch, -1)
     inv_freq = inv_freq.to(query.device)
+    q_lo, q_hi = int(query_positions.min()), int(query_positions.max())
+    k_lo, k_hi = int(key_positions.min()), int(key_positions.max())
     regimes = (
-        remap.regimes(int(query_positions.max()), inv_freq) if remap is not None
-        else [Regime("plain", None, None, lambda pq, pk: pk <= pq)]
+        remap.regimes(q_hi, inv_freq) if remap is not None else [Regime("plain", None, None, lambda pq, pk: pk <= pq)]
     )
+    # Only the regimes some pair of this call can use: a decode step beyond L0 needs its own
+    # group's keys, not every group's (each would re-rotate the whole cache).
+    regimes = [r for r in regimes if r.classify is None or r.classify(q_lo, q_hi, k_lo, k_hi) != SKIP]
+    by_map: dict[Callable, torch.Tensor] = {}  # regimes sharing a key map share its rotation (dual chunk's three)
     rotated_keys = []
     for regime in regimes:
-        keys = key if regime.key_position is None else _rotate(key, _shift(regime.key_position, key_positions), inv_freq)
-        # grouped-query attention: one key head serves heads // kv_heads query heads
-        rotated_keys.append(keys.repeat_interleave(heads // kv_heads, dim=1) if heads != kv_heads else keys)
-    if heads != kv_heads:
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
+        if regime.key_position is not None and regime.key_position not in by_map:
+            by_map[regime.key_position] = _rotate(key, _shift(regime.key_position, key_positions), inv_freq)
+        rotated_keys.append(key if regime.key_position is None else by_map[regime.key_position])
     chunk = max(1, min(query_len, query_chunk or QUERY_CHUNK))
     outputs = []
     for start in range(0, query_len, chunk):

@@ -268,6 +268,38 @@ def test_chunked_equals_unchunked(method, monkeypatch):
     torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk"])
+def test_a_decode_step_rotates_the_cache_once(method, monkeypatch):
+    """One query beyond L0 over a long cache re-rotates the cached keys for the one regime it uses
+    (its own group; dual chunk's three regimes share one key map), not once per regime of the
+    remap, and gives the same output as the same query inside a full forward."""
+    torch.manual_seed(0)
+    length = 12 * L0
+    query, key, value = torch.randn(1, 4, length, 16), torch.randn(1, 2, length, 16), torch.randn(1, 2, length, 16)
+    positions = torch.arange(length)[None]
+    remap = {
+        "self-extend": attention_level.SelfExtendRemap(None, 8, L0),
+        "self-extend by-parts": attention_level.SelfExtendRemap(None, 8, L0, "by-parts"),
+        "dual-chunk": attention_level.DualChunkRemap(20, 4, L0),
+    }[method]
+    theta = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    groups = [regime for regime in remap.regimes(length - 1, theta) if regime.key_position is not None]
+    assert len({regime.key_position for regime in groups}) > 1 or method == "dual-chunk"
+    common = dict(key_positions=positions, allowed=lambda a, b: None, remap=remap, inv_freq=theta, scaling=0.25)
+    full = attention_level.remapped_attention(query, key, value, query_positions=positions, **common)
+    rotated_lengths = []
+    real_rotate = attention_level._rotate
+
+    def counting_rotate(x, shift, inv_freq):
+        rotated_lengths.append(x.shape[2])
+        return real_rotate(x, shift, inv_freq)
+
+    monkeypatch.setattr(attention_level, "_rotate", counting_rotate)
+    last = attention_level.remapped_attention(query[:, :, -1:], key, value, query_positions=positions[:, -1:], **common)
+    assert rotated_lengths.count(length) == 1
+    torch.testing.assert_close(last, full[:, -1:], atol=1e-5, rtol=1e-5)
+
+
 def _generation_matches_full_forward(model, ids, attention_mask=None, **kwargs):
     out = model.generate(
         ids, attention_mask=attention_mask, max_new_tokens=LENGTH - ids.shape[1], do_sample=False,
