@@ -12,7 +12,12 @@
    times hf_rope_ext recomputed the cached prefix (calls of the first decoder layer with more
    than one token after the prefill).
 
-Both are timed in alternating rounds (``--forward-repeats``, ``--decode-repeats``) and the best
+3. With ``--decode-step-methods`` (attention-level methods): the time of one decode step over a
+   cache of ``--decode-step-tokens`` tokens (beyond the native context), patched over unpatched.
+   These methods keep the cache at the true positions with the model's own frequencies, so one
+   unpatched prefill serves every method; each step starts from a copy of it.
+
+All are timed in alternating rounds (``--forward-repeats``, ``--decode-repeats``) and the best
 round of each side is compared, so that drifts in machine load hit both alike. The decode
 benchmark also reports the median of the per-round (paired) ratios, with the order of the two
 sides swapped every round: on a machine whose speed drifts between rounds it is the steadier
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import statistics
 import time
@@ -49,6 +55,7 @@ from hf_rope_ext.arguments import (
     add_output_dir_argument,
     argument_parser,
 )
+from hf_rope_ext.compat import cache_argument_name, output_cache
 from hf_rope_ext.loading import load_model, resolve_model_path
 
 STATIC_METHODS = ("linear", "ntk", "yarn", "llama3")
@@ -76,6 +83,11 @@ def parse_args() -> argparse.Namespace:
                help="rounds of the decode benchmark, each timing both models (default 3)")
     add_option(parser, "--decode-new-tokens", type=int, default=256,
                help="new tokens after the prompts of 1.1, 1.5 and 1.9 x the original context")
+    add_option(parser, "--decode-step-methods", default="",
+               help="comma-separated attention-level methods for the decode-step benchmark, e.g. self-extend,dual-chunk")
+    add_option(parser, "--decode-step-tokens", type=int, default=16384,
+               help="cache length of the decode-step benchmark (beyond the native context)")
+    add_option(parser, "--decode-step-repeats", type=int, default=5)
     add_option(parser, "--seed", type=int, default=0)
     add_option(parser, "--skip-forward", action="store_true")
     add_option(parser, "--skip-decode", action="store_true")
@@ -212,6 +224,37 @@ def decode_benchmark(args, model, tokenizer_vocab: int, device, progress_file: P
             "shapes": results}
 
 
+def decode_step_benchmark(model, ids, methods, scale: float, repeats: int) -> dict:
+    """Seconds of one decode step (the last token of ``ids`` over a cache of the others), per method."""
+    device = ids.device
+    parameters = inspect.signature(model.forward).parameters
+    cache_name = cache_argument_name(parameters)
+    if cache_name is None:
+        raise ValueError(f"{type(model).__name__}.forward takes no KV cache; the decode-step benchmark needs one.")
+    with torch.no_grad():
+        prefill = output_cache(model(ids[:, :-1], use_cache=True, logits_to_keep=1))
+    last = ids[:, -1:]
+    position = torch.tensor([[ids.shape[1] - 1]], device=device)
+
+    def step():
+        with torch.no_grad():
+            model(last, position_ids=position, use_cache=True, logits_to_keep=1, **{cache_name: copy.deepcopy(prefill)})
+
+    step()  # warm-up
+    times = {name: [] for name in ("none", *methods)}
+    for _ in range(repeats):
+        for name in times:
+            if name != "none":
+                patch_model(model, scale=scale, method=name)
+            copy_seconds = timed(lambda: copy.deepcopy(prefill), device)  # subtracted: the copy is not the step
+            times[name].append(timed(step, device) - copy_seconds)
+            if name != "none":
+                unpatch_model(model)
+    baseline = min(times["none"])
+    return {name: {"min_s": min(values), "median_s": statistics.median(values), "ratio": min(values) / baseline}
+            for name, values in times.items()}
+
+
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
@@ -230,6 +273,19 @@ def main() -> None:
             if isinstance(row, dict):
                 print(f"  {name:<8} {row['min_s']:8.3f} s ({row['median_s']:.3f})   patched/unpatched {row['ratio']:.3f}"
                       f"   rotary module {row['rotary_ms']:.2f} ms ({row['rotary_extra_share']:+.3%} of the forward)")
+    step_methods = [m for m in args.decode_step_methods.split(",") if m]
+    if step_methods:
+        ids = torch.randint(100, len(tokenizer) - 1, (1, args.decode_step_tokens + 1),
+                            generator=torch.Generator().manual_seed(args.seed)).to(device)
+        report["decode_step"] = {"cache_tokens": args.decode_step_tokens, "scale": args.forward_scale,
+                                 **decode_step_benchmark(model, ids, step_methods, args.forward_scale,
+                                                         args.decode_step_repeats)}
+        print(f"One decode step over a cache of {args.decode_step_tokens} tokens, best of {args.decode_step_repeats} "
+              "(median):")
+        for name, row in report["decode_step"].items():
+            if isinstance(row, dict):
+                print(f"  {name:<12} {row['min_s'] * 1000:9.1f} ms ({row['median_s'] * 1000:.1f})   "
+                      f"patched/unpatched {row['ratio']:.2f}")
     if not args.skip_decode:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         report["decode"] = decode_benchmark(args, model, len(tokenizer), device, args.output_dir / "decode_rounds.json")

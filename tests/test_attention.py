@@ -609,3 +609,32 @@ def test_frequencies_must_name_a_static_frequency_method():
     for bad in ("dynamic-yarn", "self-extend", "longrope", "nope", 3):
         with pytest.raises(ValueError, match="not a static frequency method"):
             patch_model(model, scale=4, method="self-extend", frequencies=bad)
+
+
+def test_decode_step_benchmark_times_real_steps_and_restores_the_model(monkeypatch):
+    """examples/benchmark_speed.py's decode-step benchmark: every method is timed on a step over the
+    prefilled cache beyond L0 (the attention-level function runs, with one query), and the model
+    is left unpatched with its own attention."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "benchmark_speed.py"
+    spec = importlib.util.spec_from_file_location("benchmark_speed", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = make_model("llama", attn_implementation="sdpa")
+    ids = random_ids(3 * L0 + 1)
+    query_lengths = []
+    real = attention_level.remapped_attention
+
+    def recording(query, *args, **kwargs):
+        query_lengths.append(query.shape[2])
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(attention_level, "remapped_attention", recording)
+    results = module.decode_step_benchmark(model, ids, ["self-extend", "dual-chunk"], 4.0, repeats=2)
+    assert set(results) == {"none", "self-extend", "dual-chunk"}
+    assert all(row["min_s"] > 0 and row["ratio"] > 0 for row in results.values())
+    # warm-up, then 2 rounds of 2 patched methods, one call per decoder layer each, one query each
+    assert query_lengths == [1] * (2 * 2 * model.config.num_hidden_layers)
+    assert get_patch_info(model) is None and model.config._attn_implementation == "sdpa"
