@@ -55,8 +55,10 @@ from hf_rope_ext.arguments import (
     add_output_dir_argument,
     argument_parser,
 )
+from hf_rope_ext.auto import parse_configuration
 from hf_rope_ext.compat import cache_argument_name, output_cache
 from hf_rope_ext.loading import load_model, resolve_model_path
+from hf_rope_ext.methods import get_method
 
 STATIC_METHODS = ("linear", "ntk", "yarn", "llama3")
 
@@ -84,14 +86,27 @@ def parse_args() -> argparse.Namespace:
     add_option(parser, "--decode-new-tokens", type=int, default=256,
                help="new tokens after the prompts of 1.1, 1.5 and 1.9 x the original context")
     add_option(parser, "--decode-step-methods", default="",
-               help="comma-separated attention-level methods for the decode-step benchmark, e.g. self-extend,dual-chunk")
+               help="';'-separated attention-level configurations (method[:key=value,...]) for the decode-step "
+                    "benchmark, e.g. 'self-extend;dual-chunk;self-extend:far_positions=by-parts'")
     add_option(parser, "--decode-step-tokens", type=int, default=16384,
                help="cache length of the decode-step benchmark (beyond the native context)")
     add_option(parser, "--decode-step-repeats", type=int, default=5)
     add_option(parser, "--seed", type=int, default=0)
     add_option(parser, "--skip-forward", action="store_true")
     add_option(parser, "--skip-decode", action="store_true")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.decode_step_methods = [m.strip() for m in args.decode_step_methods.split(";") if m.strip()]
+    for configuration in args.decode_step_methods:  # checked before the model loads
+        try:
+            method, params = parse_configuration(configuration)
+            attention_level = get_method(method).attention is not None
+        except ValueError as error:
+            parser.error(f"--decode-step-methods: {error}")
+        # one unpatched prefill serves every method only if the cache keeps the model's own frequencies
+        if not attention_level or params.get("frequencies") is not None:
+            parser.error(f"--decode-step-methods takes attention-level methods on the model's own frequencies "
+                         f"(self-extend, dual-chunk), got {configuration!r}")
+    return args
 
 
 def synchronize(device: torch.device) -> None:
@@ -231,6 +246,10 @@ def decode_step_benchmark(model, ids, methods, scale: float, repeats: int) -> di
     cache_name = cache_argument_name(parameters)
     if cache_name is None:
         raise ValueError(f"{type(model).__name__}.forward takes no KV cache; the decode-step benchmark needs one.")
+    for name in methods:  # bad parameters fail now, not after the long prefill
+        method, params = parse_configuration(name)
+        patch_model(model, scale=scale, method=method, **params)
+        unpatch_model(model)
     with torch.no_grad():
         prefill = output_cache(model(ids[:, :-1], use_cache=True, logits_to_keep=1))
     last = ids[:, -1:]
@@ -245,7 +264,8 @@ def decode_step_benchmark(model, ids, methods, scale: float, repeats: int) -> di
     for _ in range(repeats):
         for name in times:
             if name != "none":
-                patch_model(model, scale=scale, method=name)
+                method, params = parse_configuration(name)
+                patch_model(model, scale=scale, method=method, **params)
             copy_seconds = timed(lambda: copy.deepcopy(prefill), device)  # subtracted: the copy is not the step
             times[name].append(timed(step, device) - copy_seconds)
             if name != "none":
@@ -273,7 +293,7 @@ def main() -> None:
             if isinstance(row, dict):
                 print(f"  {name:<8} {row['min_s']:8.3f} s ({row['median_s']:.3f})   patched/unpatched {row['ratio']:.3f}"
                       f"   rotary module {row['rotary_ms']:.2f} ms ({row['rotary_extra_share']:+.3%} of the forward)")
-    step_methods = [m for m in args.decode_step_methods.split(",") if m]
+    step_methods = args.decode_step_methods
     if step_methods:
         ids = torch.randint(100, len(tokenizer) - 1, (1, args.decode_step_tokens + 1),
                             generator=torch.Generator().manual_seed(args.seed)).to(device)
