@@ -63,7 +63,8 @@ class Regime:
     ``(B, 1, K)``) says which pairs use this regime. ``None`` maps mean "unchanged".
     ``classify(q_lo, q_hi, k_lo, k_hi)`` optionally says, from position ranges alone, whether a
     tile is selected nowhere (``SKIP``), everywhere (``FULL``) or in part (``PARTIAL``), so
-    that only partial tiles need an elementwise mask.
+    that only partial tiles need an elementwise mask. ``key_map`` names the key map: regimes of
+    one remap with the same name share their rotated keys (default: the regime's own name).
     """
 
     name: str
@@ -71,6 +72,11 @@ class Regime:
     key_position: Callable[[torch.Tensor], torch.Tensor] | None
     select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     classify: Callable[[int, int, int, int], int] | None = None
+    key_map: str | None = None
+
+    @property
+    def key_map_name(self) -> str:
+        return self.key_map or self.name
 
 
 SKIP, FULL, PARTIAL = 0, 1, 2
@@ -269,13 +275,14 @@ class DualChunkRemap(PositionRemap):
         huge = 1 << 62
         return [
             Regime("native", None, None, lambda pq, pk: ~far(pq), lambda q_lo, q_hi, k_lo, k_hi: _status(q_hi < L0, q_lo >= L0)),
-            Regime("intra", within, within, lambda pq, pk: far(pq) & (chunk(pk) == chunk(pq)), chunk_status(0, 0)),
+            Regime("intra", within, within, lambda pq, pk: far(pq) & (chunk(pk) == chunk(pq)), chunk_status(0, 0), "within"),
             Regime(
                 "successive",
                 lambda p: torch.clamp(within(p) + s, max=s + w),
                 within,
                 lambda pq, pk: far(pq) & (chunk(pk) == chunk(pq) - 1),
                 chunk_status(-1, -1),
+                "within",
             ),
             Regime(
                 "inter",
@@ -283,6 +290,7 @@ class DualChunkRemap(PositionRemap):
                 within,
                 lambda pq, pk: far(pq) & (chunk(pk) < chunk(pq) - 1),
                 chunk_status(-huge, -2),
+                "within",
             ),
         ]
 
@@ -383,27 +391,61 @@ def logn_factor(positions: torch.Tensor, original_length: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, H, N, D; rotate-half layout) by ``shift`` (B, N) more positions.
+def _rotation_table(shift: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` (B, 1, N, rd/2) float32 of rotating by ``shift`` (B, N), or (B, N, rd/2) per dimension.
 
-    Angles from float64 frequencies, reduced modulo 2 pi (see :func:`hf_rope_ext.rotary.rope_angles`);
-    the product is formed in float32 and cast back once. Works on the two halves directly
-    (``[x1 cos - x2 sin, x2 cos + x1 sin]``): over a long cache this runs once per layer and
-    regime, so it avoids building full-width cos/sin tables.
+    Angles from float64 frequencies, reduced modulo 2 pi (see :func:`hf_rope_ext.rotary.rope_angles`).
     """
-    half = inv_freq.shape[-1]
-    rotary_dim = 2 * half
-    if shift.dim() == 3:  # a shift per dimension (B, N, rd/2)
+    if shift.dim() == 3:  # a shift per dimension
         angles = torch.remainder(shift.to(torch.float64) * inv_freq, 2 * math.pi).to(torch.float32)[:, None]
     else:
-        angles = rope_angles(shift, inv_freq)[:, None]  # (B, 1, N, rd/2)
-    cos, sin = angles.cos(), angles.sin()
+        angles = rope_angles(shift, inv_freq)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def _apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, H, N, D; rotate-half layout) by the angles of ``cos``/``sin`` (B, 1, N, rd/2).
+
+    Formed in float32 on the two halves (``[x1 cos - x2 sin, x2 cos + x1 sin]``, no full-width
+    tables) and cast back once; dimensions past the rotary ones pass through.
+    """
+    half = cos.shape[-1]
+    rotary_dim = 2 * half
     first, second = x[..., :half].float(), x[..., half:rotary_dim].float()
-    parts = [first * cos - second * sin, second * cos + first * sin]
-    rotated = torch.cat(parts, dim=-1).to(x.dtype)
+    rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
     if rotary_dim == x.shape[-1]:
         return rotated
     return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, H, N, D) by ``shift`` (B, N) more positions (or (B, N, rd/2), per dimension)."""
+    return _apply_rotation(x, *_rotation_table(shift, inv_freq))
+
+
+class KeyRotationTables:
+    """The ``(cos, sin)`` tables of each key map for one set of key positions.
+
+    Every decoder layer of a forward (or decode step) sees the same key positions, so one
+    instance per patched model computes each key map's float64 angles once per forward instead
+    of once per layer; a call with other key positions starts afresh.
+    """
+
+    def __init__(self):
+        self.positions: torch.Tensor | None = None
+        self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, regime: Regime, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        known = self.positions
+        if known is None or known.shape != positions.shape or known.device != positions.device or not torch.equal(known, positions):
+            self.positions, self.tables = positions.clone(), {}
+        name = regime.key_map_name
+        if name not in self.tables:
+            self.tables[name] = _rotation_table(_shift(regime.key_position, positions), inv_freq)
+        return self.tables[name]
+
+    def clear(self) -> None:
+        self.positions, self.tables = None, {}
 
 
 def _shift(position_map: Callable[[torch.Tensor], torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
@@ -506,6 +548,7 @@ def remapped_attention(
     scaling: float,
     logn_length: int | None = None,
     query_chunk: int | None = None,
+    key_rotations: KeyRotationTables | None = None,
 ) -> torch.Tensor:
     """Attention with remapped relative positions; returns ``(B, C, H, D)`` like transformers' functions.
 
@@ -520,6 +563,7 @@ def remapped_attention(
         inv_freq: float64 frequencies of the rotary embedding (for the extra rotations).
         scaling: the softmax scale (1 / sqrt(head_dim)).
         logn_length: if set, ``L0`` of the log-n attention temperature.
+        key_rotations: tables kept across the layers of one forward (a model's patch holds one).
     """
     batch, heads, query_len, _ = query.shape
     if heads % key.shape[1]:
@@ -535,12 +579,16 @@ def remapped_attention(
     # Only the regimes some pair of this call can use: a decode step beyond L0 needs its own
     # group's keys, not every group's (each would re-rotate the whole cache).
     regimes = [r for r in regimes if r.classify is None or r.classify(q_lo, q_hi, k_lo, k_hi) != SKIP]
-    by_map: dict[Callable, torch.Tensor] = {}  # regimes sharing a key map share its rotation (dual chunk's three)
+    tables = key_rotations if key_rotations is not None else KeyRotationTables()
+    by_map: dict[str, torch.Tensor] = {}  # regimes sharing a key map share its rotated keys (dual chunk's three)
     rotated_keys = []
     for regime in regimes:
-        if regime.key_position is not None and regime.key_position not in by_map:
-            by_map[regime.key_position] = _rotate(key, _shift(regime.key_position, key_positions), inv_freq)
-        rotated_keys.append(key if regime.key_position is None else by_map[regime.key_position])
+        if regime.key_position is None:
+            rotated_keys.append(key)
+            continue
+        if regime.key_map_name not in by_map:
+            by_map[regime.key_map_name] = _apply_rotation(key, *tables.get(regime, key_positions, inv_freq))
+        rotated_keys.append(by_map[regime.key_map_name])
     chunk = max(1, min(query_len, query_chunk or QUERY_CHUNK))
     outputs = []
     for start in range(0, query_len, chunk):
@@ -632,6 +680,7 @@ class AttentionPatch:
     original_length: int
     logn: bool
     geometry: dict[tuple[int, int], _Geometry] = field(default_factory=dict)
+    key_rotations: KeyRotationTables = field(default_factory=KeyRotationTables)
 
     def attention(self, module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """The attention function registered for this model (transformers' signature)."""
@@ -667,6 +716,7 @@ class AttentionPatch:
             inv_freq=self.inv_freq,
             scaling=scaling,
             logn_length=self.original_length if self.logn else None,
+            key_rotations=self.key_rotations,
         )
         return output, None
 
@@ -790,3 +840,4 @@ def uninstall(patch: AttentionPatch) -> None:
     AttentionInterface._global_mapping.pop(patch.name, None)
     AttentionMaskInterface._global_mapping.pop(patch.name, None)
     patch.geometry.clear()
+    patch.key_rotations.clear()

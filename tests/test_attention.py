@@ -288,16 +288,51 @@ def test_a_decode_step_rotates_the_cache_once(method, monkeypatch):
     common = dict(key_positions=positions, allowed=lambda a, b: None, remap=remap, inv_freq=theta, scaling=0.25)
     full = attention_level.remapped_attention(query, key, value, query_positions=positions, **common)
     rotated_lengths = []
-    real_rotate = attention_level._rotate
+    real_rotation = attention_level._apply_rotation
 
-    def counting_rotate(x, shift, inv_freq):
+    def counting_rotation(x, cos, sin):
         rotated_lengths.append(x.shape[2])
-        return real_rotate(x, shift, inv_freq)
+        return real_rotation(x, cos, sin)
 
-    monkeypatch.setattr(attention_level, "_rotate", counting_rotate)
+    monkeypatch.setattr(attention_level, "_apply_rotation", counting_rotation)
     last = attention_level.remapped_attention(query[:, :, -1:], key, value, query_positions=positions[:, -1:], **common)
     assert rotated_lengths.count(length) == 1
     torch.testing.assert_close(last, full[:, -1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk"])
+def test_key_rotation_tables_are_computed_once_per_forward(method, monkeypatch):
+    """The layers of one forward share each key map's cos/sin tables (computed once, not once per
+    layer), a call with other key positions computes them afresh, and the logits equal those of
+    a model that recomputes the tables in every layer, bitwise."""
+    model = make_model("llama")
+    layers = model.config.num_hidden_layers
+    assert layers > 1
+    ids = random_ids(LENGTH)
+    monkeypatch.setattr(attention_level, "QUERY_CHUNK", 7)  # query tables (7 rows) apart from key tables
+    computed = []
+    real_table = attention_level._rotation_table
+
+    def counting_table(shift, inv_freq):
+        computed.append(shift.shape[1])
+        return real_table(shift, inv_freq)
+
+    monkeypatch.setattr(attention_level, "_rotation_table", counting_table)
+    patch_model(model, scale=4, method=method)
+    with torch.no_grad():
+        shared = model(ids).logits
+        maps = computed.count(LENGTH)
+        model(ids)  # the same key positions: nothing to compute
+        assert computed.count(LENGTH) == maps >= 1
+        model(ids[:, :-1])  # other key positions: computed afresh, once
+        assert computed.count(LENGTH - 1) == maps
+        # every layer computing its own tables: the same logits, at `layers` times the work
+        monkeypatch.setattr(attention_level.KeyRotationTables, "get", lambda self, regime, positions, inv_freq:
+                            counting_table(attention_level._shift(regime.key_position, positions), inv_freq))
+        computed.clear()
+        per_layer = model(ids).logits
+    assert computed.count(LENGTH) == maps * layers
+    torch.testing.assert_close(shared, per_layer, atol=0, rtol=0)
 
 
 def _generation_matches_full_forward(model, ids, attention_mask=None, **kwargs):
