@@ -601,7 +601,10 @@ def remapped_attention(
         # Keys after the chunk's last query are never visible (causal): stop there.
         last_key = int((key_positions <= pq.max()).sum(dim=-1).max())
         accumulator = _Accumulator()
+        chunk_lo, chunk_hi = int(pq.min()), int(pq.max())
         for regime, keys in zip(regimes, rotated_keys):
+            if regime.classify is not None and regime.classify(chunk_lo, chunk_hi, k_lo, k_hi) == SKIP:
+                continue  # e.g. the groups of later queries
             qr = q if regime.query_position is None else _rotate(q, _shift(regime.query_position, pq), inv_freq)
             _add_regime(
                 accumulator, regime, qr, keys, value, pq, key_positions, base, last_key, scaling
