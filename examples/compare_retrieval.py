@@ -34,7 +34,7 @@ from hf_rope_ext.arguments import (
     argument_parser,
 )
 from hf_rope_ext.auto import parse_configuration
-from hf_rope_ext.evaluation.records import read_records
+from hf_rope_ext.evaluation.records import load_records, read_records
 from hf_rope_ext.evaluation.retrieval import TASKS, grade, greedy_generate, make_trial, trial_seed
 from hf_rope_ext.files import atomic_write_text
 from hf_rope_ext.loading import load_model
@@ -61,6 +61,15 @@ def append_record(path: Path, record: dict) -> None:
         handle.write(("" if fresh_line else "\n") + json.dumps(record) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def records_without_cut_line(path: Path) -> list[dict]:
+    """The records of a JSON-lines file; a last line cut off by an interrupted write is dropped from
+    the file too (it is logged by the reader), so that the next append does not leave it inside."""
+    records, skipped = load_records(path)
+    if skipped is not None:
+        atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in records))
+    return records
 
 
 def _stored_trial(stored: dict, answer: str, needs_logprob: bool) -> dict | None:
@@ -123,8 +132,8 @@ def main() -> None:
     output.mkdir(parents=True, exist_ok=True)
     results_path = output / "results.jsonl"
     trials_path = output / "trials.jsonl"
-    done = {record["key"] for record in read_records(results_path)}
-    finished_trials = {(record.get("key"), record.get("trial")): record for record in read_records(trials_path)}
+    done = {record["key"] for record in records_without_cut_line(results_path)}
+    finished_trials = {(record.get("key"), record.get("trial")): record for record in records_without_cut_line(trials_path)}
 
     model, tokenizer = load_model(args.model, attn_implementation=args.attn_implementation)
     native = int(model.config.max_position_embeddings)

@@ -911,12 +911,14 @@ def test_compare_retrieval_example_resumes_inside_a_case(tiny_checkpoint, tmp_pa
     assert [t["answer"] for t in record["trials"]] == expected.answers
     assert record["correct"] == expected.correct
 
-    # An edited trial record that no longer fits its prompt is run again, not trusted.
+    # An edited trial record that no longer fits its prompt is run again, not trusted; a second
+    # record cut off by an interrupted write is dropped and run again, and leaves no broken line.
     lines = (output / "trials.jsonl").read_text().splitlines()
     edited = dict(json.loads(lines[0]), answer="00000")
-    (output / "trials.jsonl").write_text(json.dumps(edited) + "\n")
+    (output / "trials.jsonl").write_text(json.dumps(edited) + "\n" + lines[1][: len(lines[1]) // 2])
     (output / "results.jsonl").unlink()
     module.main()
-    assert len(prompts) == 5  # both trials generated again: the first no longer fits, the second was removed
+    assert len(prompts) == 5  # both trials generated again
     (again,) = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
     assert [t["output"] for t in again["trials"]] == expected.outputs
+    assert all(json.loads(line) for line in (output / "trials.jsonl").read_text().splitlines())
