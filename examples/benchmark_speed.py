@@ -96,6 +96,9 @@ def parse_args() -> argparse.Namespace:
     add_option(parser, "--skip-decode", action="store_true")
     args = parser.parse_args()
     args.decode_step_methods = [m.strip() for m in args.decode_step_methods.split(";") if m.strip()]
+    if args.decode_step_repeats < 1 or args.decode_step_tokens < 1:
+        parser.error("--decode-step-repeats and --decode-step-tokens must be at least 1, got "
+                     f"{args.decode_step_repeats} and {args.decode_step_tokens}")
     for configuration in args.decode_step_methods:  # checked before the model loads
         try:
             method, params = parse_configuration(configuration)
