@@ -283,26 +283,35 @@ def attention_level_inv_freq(rotary_dim: int, base: float, params: Mapping[str, 
 
     By default the trained ones, unchanged (``theta'_i = theta_i``, attention factor 1): these
     methods keep every trained rotation and remap relative positions inside attention. With
-    ``frequencies="yarn"`` (or another static frequency method, at the patch's scale and with
-    that method's default parameters) they combine both, as DCA does with position
-    interpolation (ChunkLlama) and with YaRN (Qwen2.5-1M).
+    ``frequencies="yarn"`` (or another static frequency method, with that method's default
+    parameters) they combine both, as DCA does with position interpolation (ChunkLlama) and
+    with YaRN (Qwen2.5-1M). The frequencies are those of the patch's scale, or of
+    ``frequencies_scale``: the remap already keeps every distance inside the trained context,
+    so a smaller interpolation than the target length's can be enough, at a smaller cost.
     """
     name = params.get("frequencies")
     if name is None:
         return default_inv_freq(rotary_dim, base), 1.0
     method = get_method(name)
     inner = {**method.defaults, **{key: params[key] for key in COMMON_PARAMS}}
+    if params.get("frequencies_scale") is not None:
+        inner["factor"] = float(params["frequencies_scale"])
     return method.compute(rotary_dim, base, inner, None)
 
 
 def _check_frequencies(rotary_dim: int, params: Mapping[str, Any]) -> None:
     name = params.get("frequencies")
-    if name is None:
-        return
     allowed = [key for key, method in _REGISTRY.items() if not method.length_dependent and method.attention is None
                and not any(value is REQUIRED for value in method.defaults.values())]  # fmt: skip
-    if name not in allowed:
+    if name is not None and name not in allowed:
         raise ValueError(f"frequencies={name!r} is not a static frequency method; use None (the trained ones) or one of {allowed}.")
+    scale = params.get("frequencies_scale")
+    if scale is None:
+        return
+    if name is None:
+        raise ValueError("frequencies_scale sets the scale of frequencies=; give frequencies= too (e.g. 'yarn').")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 1:
+        raise ValueError(f"frequencies_scale must be a number above 1 (the interpolation of frequencies=), got {scale!r}.")
 
 
 def dynamic_linear_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
@@ -808,7 +817,8 @@ for _method in (
     RopeMethod(
         "self-extend",
         attention_level_inv_freq,
-        defaults={"group_size": None, "neighbor_window": None, "far_positions": "grouped", "frequencies": None},
+        defaults={"group_size": None, "neighbor_window": None, "far_positions": "grouped", "frequencies": None,
+                  "frequencies_scale": None},
         validate=_check_frequencies,
         summary="Self-Extend: trained positions within a neighbour window, grouped (floor(p/G)) positions beyond.",
         attention=lambda params: _attention().self_extend_remap(params),
@@ -817,7 +827,7 @@ for _method in (
     RopeMethod(
         "dual-chunk",
         attention_level_inv_freq,
-        defaults={"chunk_size": None, "local_window": None, "frequencies": None},
+        defaults={"chunk_size": None, "local_window": None, "frequencies": None, "frequencies_scale": None},
         validate=_check_frequencies,
         summary="Dual Chunk Attention: intra-, successive- and inter-chunk positions, all within the trained context.",
         attention=lambda params: _attention().dual_chunk_remap(params),

@@ -564,12 +564,13 @@ def test_gradients_match_the_reference():
         assert (actual.grad - expected.grad).abs().max() <= 1e-4 * scale, (name, (actual.grad - expected.grad).abs().max(), scale)
 
 
-@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk", "yarn+logn"])
+@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk", "dual-chunk yarn x2", "yarn+logn"])
 def test_saved_checkpoint_loads_back_into_the_same_patch(method, tmp_path):
     from hf_rope_ext.hub import load_patched, save_patched
 
     model = make_model("llama", attn_implementation="sdpa")
-    params = {"far_positions": "by-parts", "neighbor_window": 8} if method.endswith("by-parts") else {}
+    params = {"self-extend by-parts": {"far_positions": "by-parts", "neighbor_window": 8},
+              "dual-chunk yarn x2": {"frequencies": "yarn", "frequencies_scale": 2.0}}.get(method, {})  # fmt: skip
     method = method.split()[0]
     patch_model(model, scale=4, method=method, **params)
     ids = random_ids(LENGTH)
@@ -639,11 +640,40 @@ def test_dual_chunk_on_yarn_frequencies_matches_reference():
     torch.testing.assert_close(actual, expected, atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["dual-chunk", "self-extend"])
+def test_frequencies_at_their_own_scale_match_reference(method):
+    """``frequencies_scale=2`` on a x4 patch: transformers' yarn x2 rotary module, the naive remap over its
+    frequencies at the x4 patch's length."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model = make_model("llama", attn_implementation="sdpa")
+    ids = random_ids(LENGTH)
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": L0}
+    twin = native_twin(model, yarn, max_position_embeddings=2 * L0)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["yarn"](twin.config, "cpu")
+    if method == "dual-chunk":
+        params, position_fn = {"chunk_size": 20, "local_window": 4}, lambda i, j: dual_chunk_positions(i, j, 20, 4)
+    else:
+        params, position_fn = {"group_size": 6, "neighbor_window": 8}, lambda i, j: self_extend_positions(i, j, 6, 8)
+    expected = reference_logits_at(twin, ids, None, position_fn, theta=inv_freq.double())
+    patch_model(model, scale=4, method=method, frequencies="yarn", frequencies_scale=2, **params)
+    assert get_patch_info(model).scale == 4
+    with torch.no_grad():
+        actual = model(ids).logits
+    torch.testing.assert_close(actual, expected, atol=5e-5, rtol=1e-4)
+
+
 def test_frequencies_must_name_a_static_frequency_method():
     model = make_model("llama")
     for bad in ("dynamic-yarn", "self-extend", "longrope", "nope", 3):
         with pytest.raises(ValueError, match="not a static frequency method"):
             patch_model(model, scale=4, method="self-extend", frequencies=bad)
+    with pytest.raises(ValueError, match="give frequencies= too"):
+        patch_model(model, scale=4, method="dual-chunk", frequencies_scale=2)
+    for bad in (1, 0.5, True, "2", float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="frequencies_scale must be a number above 1"):
+            patch_model(model, scale=4, method="dual-chunk", frequencies="yarn", frequencies_scale=bad)
+    assert get_patch_info(model) is None
 
 
 def test_decode_step_benchmark_times_real_steps_and_restores_the_model(monkeypatch):
