@@ -310,7 +310,7 @@ def _check_frequencies(rotary_dim: int, params: Mapping[str, Any]) -> None:
         return
     if name is None:
         raise ValueError("frequencies_scale sets the scale of frequencies=; give frequencies= too (e.g. 'yarn').")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 1:
+    if not is_real(scale) or not math.isfinite(scale) or scale <= 1:
         raise ValueError(f"frequencies_scale must be a number above 1 (the interpolation of frequencies=), got {scale!r}.")
 
 
