@@ -682,6 +682,9 @@ class AttentionPatch:
     inv_freq: torch.Tensor
     original_length: int
     logn: bool
+    # Whether the remap is on in the current forward (None: always); a length-dependent method
+    # with a settle length remaps only sequences longer than it.
+    remap_applies: Callable[[], bool] | None = None
     geometry: dict[tuple[int, int], _Geometry] = field(default_factory=dict)
     key_rotations: KeyRotationTables = field(default_factory=KeyRotationTables)
 
@@ -695,7 +698,8 @@ class AttentionPatch:
             first = geometry.query_offset if geometry is not None else key_len - query_len
             position_ids = torch.arange(first, first + query_len, device=query.device)[None]
         position_ids = position_ids.to(query.device)
-        if int(position_ids.max()) < self.original_length:
+        remap = self.remap if self.remap_applies is None or self.remap_applies() else None
+        if int(position_ids.max()) < self.original_length or (remap is None and not self.logn):
             # Inside the native context every method is plain attention: the model's own kernel.
             return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if dropout and module.training:
@@ -715,7 +719,7 @@ class AttentionPatch:
             query_positions=position_ids,
             key_positions=key_positions,
             allowed=allowed,
-            remap=self.remap,
+            remap=remap,
             inv_freq=self.inv_freq,
             scaling=scaling,
             logn_length=self.original_length if self.logn else None,
@@ -803,9 +807,17 @@ SUPPORTED_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attent
 
 
 def install(
-    config: Any, remap: PositionRemap | None, inv_freq: torch.Tensor, original_length: int, logn: bool
+    config: Any,
+    remap: PositionRemap | None,
+    inv_freq: torch.Tensor,
+    original_length: int,
+    logn: bool,
+    remap_applies: Callable[[], bool] | None = None,
 ) -> AttentionPatch:
-    """Route this model's attention through :meth:`AttentionPatch.attention`; see the module docstring."""
+    """Route this model's attention through :meth:`AttentionPatch.attention`; see the module docstring.
+
+    ``inv_freq`` are the frequencies the queries and keys are rotated with whenever the remap
+    applies (``remap_applies()``, default always)."""
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
@@ -823,6 +835,7 @@ def install(
         inv_freq=inv_freq.detach().to(torch.float64).cpu(),
         original_length=original_length,
         logn=logn,
+        remap_applies=remap_applies,
     )
     # Global entries keyed by a name unique to this model: masking_utils reads only the class-wide
     # mapping of mask functions.

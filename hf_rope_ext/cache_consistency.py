@@ -124,9 +124,9 @@ class PrefixRecompute:
         """The length whose frequencies a sequence of ``needed`` tokens gets now (None: the original)."""
         return self.rotary.effective_length(max(needed, self.planned_length or 0))
 
-    def _covered(self, effective: int | None) -> int:
+    def _covered(self, effective: int | None) -> float:
         """How many tokens the frequencies of ``effective`` serve without a change."""
-        return self.rotary.original_max_seq_len if effective is None else effective
+        return self.rotary.covered_length(effective)
 
     # -- hooks -------------------------------------------------------------------------------
 

@@ -52,9 +52,11 @@ the code that registers the method is needed).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -327,6 +329,20 @@ def read_record(config: Any) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------------------------
 
 
+# Set while load_patched builds a model it patches again right after (no warning then).
+_RESTORING: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_rope_ext_restoring", default=False)
+
+
+@contextlib.contextmanager
+def restoring_patch() -> Iterator[None]:
+    """Model construction inside is followed by the patch's own restore (``load_patched``)."""
+    token = _RESTORING.set(True)
+    try:
+        yield
+    finally:
+        _RESTORING.reset(token)
+
+
 def _transformers_init_function(rope_type: str):
     """A function with transformers' rope-init signature for one of our rope types."""
 
@@ -347,6 +363,15 @@ def _transformers_init_function(rope_type: str):
         record = read_record(config)
         if seq_len is None and record is not None:
             verify_record(config)  # model construction: refuse a contradictory config.json
+        if seq_len is None and not _RESTORING.get() and (method.attention is not None or (record or {}).get("logn_attention")):
+            # Not silent: a plain from_pretrained builds the frequencies only.
+            logger.warning(
+                "This checkpoint was saved with the attention-level patch %r; from_pretrained rebuilds its rotary "
+                "frequencies only, not its attention, so inputs beyond %d tokens are not read as patched. Load it "
+                "with hf_rope_ext.hub.load_patched.",
+                method.name + ("+logn" if (record or {}).get("logn_attention") else ""),
+                params["original_max_position_embeddings"],
+            )
         steps = record.get("steps_per_doubling") if record else None
         # The patch's own rounding, so from_pretrained computes the frequencies patch_model uses.
         length = effective_length(

@@ -28,6 +28,7 @@ The vLLM and llama.cpp settings of a patch are in :mod:`hf_rope_ext.runtimes` (`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -314,7 +315,8 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
         config_kwargs = {key: from_pretrained_kwargs[key] for key in _CONFIG_KWARGS if key in from_pretrained_kwargs}
         config = read_checked_config(name_or_path, **config_kwargs)
     recorded = config_io.verify_record(config)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, **from_pretrained_kwargs)
+    with config_io.restoring_patch() if restore else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, **from_pretrained_kwargs)
     if recorded is None:
         logger.info("%s has no hf_rope_ext record; loaded as transformers reads it.", name_or_path)
     elif restore:

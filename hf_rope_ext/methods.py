@@ -95,6 +95,10 @@ class RopeMethod:
             :class:`hf_rope_ext.attention.PositionRemap`; it raises ``ValueError`` for bad values.
             Such methods keep (or set) the frequencies with ``compute`` and remap relative
             positions inside attention (see :mod:`hf_rope_ext.attention`).
+        settle_length: for a length-dependent method, a function from the resolved parameters
+            to the length beyond which its frequencies stop changing; if it is also
+            attention-level, its position remap applies only to sequences longer than that
+            (shorter ones get the frequencies alone). ``None``: the frequencies follow every length.
     """
 
     name: str
@@ -107,6 +111,7 @@ class RopeMethod:
     attention: Callable[[Mapping[str, Any]], Any] | None = None
     rope_parameters: RopeParametersFn | None = None
     runtimes: Mapping[str, Callable[..., Any] | str] = field(default_factory=dict)
+    settle_length: Callable[[Mapping[str, Any]], int] | None = None
 
     def translator(self, runtime: str) -> Callable[..., Any] | None:
         """The method's translator for ``runtime`` (see ``runtimes``), or None if it declares none."""
@@ -269,13 +274,47 @@ def dynamic_yarn_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any
     still covers ``L``. The configured scale only sets the advertised context length.
     """
     length = _effective_length(params, seq_len)
-    scale = length / params["original_max_position_embeddings"]
+    return _yarn_at(rotary_dim, base, length / params["original_max_position_embeddings"], params)
+
+
+def _yarn_at(rotary_dim: int, base: float, scale: float, params: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN at ``scale`` (the original RoPE at 1 or below), temperature from the scale unless given."""
     if scale <= 1:
         return default_inv_freq(rotary_dim, base), 1.0
     attention_factor = params["attention_factor"]
     if attention_factor is None:
         attention_factor = yarn_mscale(scale)
     return _yarn_inv_freq(rotary_dim, base, scale, params), float(attention_factor)
+
+
+def dynamic_yarn_dca_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """Dynamic YaRN up to ``s_f L0`` tokens, then YaRN x ``s_f`` under Dual Chunk Attention.
+
+    The frequencies are dynamic YaRN's (arXiv 2309.00071, sec. 3.3) with the scale capped at
+    ``s_f`` (``frequencies_scale``, default 2): ``s(L) = min(max(1, L / L0), s_f)``, temperature
+    ``sqrt(1/t) = 0.1 ln s(L) + 1``. Sequences longer than ``s_f L0`` also get Dual Chunk
+    Attention (An et al. 2024, arXiv 2402.17463; ``chunk_size``, ``local_window`` as in
+    ``dual-chunk``) on those frequencies, as Qwen2.5-1M pairs DCA with YaRN. So the model is the
+    original one inside ``L0``, ``dynamic-yarn`` up to ``s_f L0`` and
+    ``dual-chunk:frequencies=yarn,frequencies_scale=s_f`` beyond: YaRN where its interpolation is
+    mild, chunked positions where stretching the frequencies further would cost more.
+    """
+    scale = _effective_length(params, seq_len) / params["original_max_position_embeddings"]
+    return _yarn_at(rotary_dim, base, min(scale, float(params["frequencies_scale"])), params)
+
+
+def _dynamic_yarn_dca_settle_length(params: Mapping[str, Any]) -> int:
+    return math.ceil(params["frequencies_scale"] * params["original_max_position_embeddings"])
+
+
+def _check_dynamic_yarn_dca(rotary_dim: int, params: Mapping[str, Any]) -> None:
+    _check_betas(rotary_dim, params)
+    scale = params.get("frequencies_scale")
+    if not is_real(scale) or not math.isfinite(scale) or scale <= 1:
+        raise ValueError(
+            f"frequencies_scale must be a number above 1 (the largest YaRN scale; dual chunk attention "
+            f"takes over beyond frequencies_scale x the original context), got {scale!r}."
+        )
 
 
 def attention_level_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
@@ -832,6 +871,17 @@ for _method in (
         summary="Dual Chunk Attention: intra-, successive- and inter-chunk positions, all within the trained context.",
         attention=lambda params: _attention().dual_chunk_remap(params),
         runtimes=_builtin_runtimes("dual-chunk"),
+    ),
+    RopeMethod(
+        "dynamic-yarn-dca",
+        dynamic_yarn_dca_inv_freq,
+        defaults={**_YARN_DEFAULTS, "frequencies_scale": 2.0, "chunk_size": None, "local_window": None},
+        length_dependent=True,
+        validate=_check_dynamic_yarn_dca,
+        summary="dynamic-yarn up to frequencies_scale x L0 (default 2), then yarn at that scale under Dual Chunk Attention.",
+        attention=lambda params: _attention().dual_chunk_remap(params),
+        settle_length=_dynamic_yarn_dca_settle_length,
+        runtimes=_builtin_runtimes("dynamic-yarn-dca"),
     ),
 ):
     _register_builtin(_method)

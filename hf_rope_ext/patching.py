@@ -350,8 +350,12 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec) -> None:
         if remap is not None or spec.logn_attention:
             from . import attention as attention_level
 
+            settled = rotary.settle_length
+            # A remap that starts at a settle length rotates with the settled frequencies.
+            remap_freq = inv_freq if settled is None else rotary.frequencies(settled + 1)[0]
             rotary.attention_patch = attention_level.install(
-                config, remap, inv_freq, original_length, spec.logn_attention
+                config, remap, remap_freq, original_length, spec.logn_attention,
+                remap_applies=None if settled is None else rotary.remap_applies,
             )
     except Exception:
         if rotary.cache_guard is not None:

@@ -157,6 +157,11 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.spec = None  # the PatchSpec applied (get_patch_info), set by patch_model
         self.saved_config: dict[str, Any] | None = None  # config fields before the patch, set by patch_model
         self.attention_patch = None  # set by patch_model for attention-level methods and log-n attention
+        settle = method.settle_length
+        self.settle_length: int | None = int(settle(params)) if settle is not None and method.length_dependent else None
+        # Length whose frequencies the last forward used (length-dependent methods): it says
+        # whether a settle-length method's remap is on in that forward's attention.
+        self.current_length: int | None = None
 
         initial = self._frequencies_for_length(None)
         # Inside the original context a length-dependent method may still differ from plain RoPE
@@ -181,8 +186,31 @@ class ExtendedRotaryEmbedding(nn.Module):
         return freqs.inv_freq_f64.clone(), freqs.attention_factor
 
     def effective_length(self, seq_len: int | None) -> int | None:
-        """The length whose frequencies a sequence of ``seq_len`` tokens uses (see :func:`effective_length`)."""
-        return effective_length(seq_len, self.original_max_seq_len, self.steps_per_doubling, self.method.length_dependent)
+        """The length whose frequencies a sequence of ``seq_len`` tokens uses (see :func:`effective_length`).
+
+        Beyond a method's settle length every length has the same frequencies: they are all
+        keyed ``settle + 1`` (see :meth:`covered_length`).
+        """
+        length = effective_length(seq_len, self.original_max_seq_len, self.steps_per_doubling, self.method.length_dependent)
+        if length is not None and self.settle_length is not None and length > self.settle_length:
+            return self.settle_length + 1
+        return length
+
+    def covered_length(self, effective: int | None) -> float:
+        """How many tokens the frequencies of the effective length ``effective`` serve unchanged."""
+        if effective is None:
+            return self.original_max_seq_len
+        if self.settle_length is not None and effective > self.settle_length:
+            return math.inf
+        return effective
+
+    def remap_applies(self, length: int | None = None) -> bool:
+        """Whether an attention-level method's position remap is on for a sequence of ``length``
+        tokens (default: the current forward's); always, unless the method has a settle length."""
+        if self.settle_length is None:
+            return True
+        length = self.current_length if length is None else length
+        return length is not None and length > self.settle_length
 
     def _frequencies_for_length(self, seq_len: int | None) -> _Frequencies:
         key = self.effective_length(seq_len)
@@ -231,6 +259,7 @@ class ExtendedRotaryEmbedding(nn.Module):
             length = int(position_ids.max()) + 1
             if self.frequency_length is not None:
                 length = max(length, self.frequency_length)
+            self.current_length = length
             if length <= self.original_max_seq_len and self._use_original_module():
                 # Inside the original context the method is the original RoPE: use the original
                 # module itself, so outputs are bitwise those of the unpatched model.

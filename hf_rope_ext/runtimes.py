@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from . import compat, config_io
-from .methods import LOGN_SUFFIX, RUNTIMES, dynamic_ntk_base, get_method, ntk_base, yarn_mscale
+from .methods import COMMON_PARAMS, LOGN_SUFFIX, RUNTIMES, dynamic_ntk_base, get_method, ntk_base, yarn_mscale
 from .spec import NOT_GIVEN, PatchSpec
 
 logger = logging.getLogger(__name__)
@@ -364,9 +365,10 @@ def vllm_command(
 def _rope_as(patch: PatchSpec, method: str | None = None) -> tuple[dict[str, Any], int]:
     """``rope_parameters`` and ``max_position_embeddings`` of the patch written as ``method``."""
     rope_method = get_method(method) if method else patch.rope_method
-    return config_io.rope_config_for(
-        rope_method, patch.resolved_params(), patch.original_rope_theta, patch.rotary_dim, patch.kept
-    )
+    params = patch.resolved_params()
+    if rope_method is not patch.rope_method:  # a stand-in: only the parameters it has
+        params = {key: value for key, value in params.items() if key in rope_method.defaults or key in COMMON_PARAMS}
+    return config_io.rope_config_for(rope_method, params, patch.original_rope_theta, patch.rotary_dim, patch.kept)
 
 
 def _vllm_native(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:
@@ -445,6 +447,20 @@ def vllm_longrope(patch: PatchSpec, model_type: str | None = None) -> RuntimeCom
             "Outputs agree for longer inputs."
         )
     return vllm_command(patch, rope, max_positions, status=status, notes=notes)
+
+
+def _dca_stand_in_note(patch: PatchSpec) -> str:
+    """How static yarn at the patch's scale differs from a ``dynamic-yarn-dca`` patch."""
+    settle = math.ceil(patch.params["frequencies_scale"] * patch.original_max_position_embeddings)
+    return (
+        f"No runtime has dual chunk attention for this architecture. Closest: static yarn at scale {patch.scale:g}; "
+        f"the patch is the original model up to {patch.original_max_position_embeddings} tokens, dynamic yarn up to "
+        f"{settle}, and beyond that yarn x{patch.params['frequencies_scale']:g} with dual chunk attention."
+    )
+
+
+def vllm_dynamic_yarn_dca(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:
+    return _vllm_yarn(patch, "approximate", [_dca_stand_in_note(patch)])
 
 
 def vllm_self_extend(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:
@@ -569,6 +585,10 @@ def llama_cpp_yarn(patch: PatchSpec, model_type: str | None = None) -> RuntimeCo
 
 def llama_cpp_dynamic_yarn(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:
     return _llama_cpp_yarn(patch, model_type, "approximate", [_stand_in_note(patch, "yarn")])
+
+
+def llama_cpp_dynamic_yarn_dca(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:
+    return _llama_cpp_yarn(patch, model_type, "approximate", [_dca_stand_in_note(patch)])
 
 
 def llama_cpp_dynamic(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:

@@ -337,8 +337,10 @@ def test_key_rotation_tables_are_computed_once_per_forward(method, monkeypatch):
 
 def _generation_matches_full_forward(model, ids, attention_mask=None, **kwargs):
     out = model.generate(
-        ids, attention_mask=attention_mask, max_new_tokens=LENGTH - ids.shape[1], do_sample=False,
-        output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs,
+        # min_new_tokens: the sequence reaches the planned length, whose frequencies a length-dependent
+        # method uses in both runs
+        ids, attention_mask=attention_mask, max_new_tokens=LENGTH - ids.shape[1], min_new_tokens=LENGTH - ids.shape[1],
+        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs,
     )
     full_mask = positions = None
     if attention_mask is not None:
@@ -351,13 +353,14 @@ def _generation_matches_full_forward(model, ids, attention_mask=None, **kwargs):
     torch.testing.assert_close(generated, full[:, ids.shape[1] - 1 : -1], atol=5e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk", "yarn+logn"])
+@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk", "yarn+logn", "dynamic-yarn-dca"])
 def test_generation_with_cache_equals_full_forward(family, method):
     model = make_model(family, attn_implementation="sdpa")
     params = {
         "self-extend": {"neighbor_window": 8},
         "self-extend by-parts": {"neighbor_window": 8, "far_positions": "by-parts"},
         "dual-chunk": {"chunk_size": 20, "local_window": 4},
+        "dynamic-yarn-dca": {"chunk_size": 20, "local_window": 4},
     }.get(method, {})
     patch_model(model, scale=4, method=method.split()[0], **params)
     _generation_matches_full_forward(model, random_ids(20))
@@ -383,7 +386,7 @@ def test_inside_the_original_context_outputs_are_the_unpatched_model_bitwise(fam
     assert torch.equal(before, during)
 
 
-@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "ntk+logn"])
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "ntk+logn", "dynamic-yarn-dca"])
 def test_unpatch_restores_everything_bitwise(method):
     model = make_model("llama", attn_implementation="sdpa")
     ids = random_ids(LENGTH)
@@ -564,13 +567,16 @@ def test_gradients_match_the_reference():
         assert (actual.grad - expected.grad).abs().max() <= 1e-4 * scale, (name, (actual.grad - expected.grad).abs().max(), scale)
 
 
-@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk", "dual-chunk yarn x2", "yarn+logn"])
+@pytest.mark.parametrize(
+    "method", ["self-extend", "self-extend by-parts", "dual-chunk", "dual-chunk yarn x2", "yarn+logn", "dynamic-yarn-dca"]
+)
 def test_saved_checkpoint_loads_back_into_the_same_patch(method, tmp_path):
     from hf_rope_ext.hub import load_patched, save_patched
 
     model = make_model("llama", attn_implementation="sdpa")
     params = {"self-extend by-parts": {"far_positions": "by-parts", "neighbor_window": 8},
-              "dual-chunk yarn x2": {"frequencies": "yarn", "frequencies_scale": 2.0}}.get(method, {})  # fmt: skip
+              "dual-chunk yarn x2": {"frequencies": "yarn", "frequencies_scale": 2.0},
+              "dynamic-yarn-dca": {"frequencies_scale": 1.5, "chunk_size": 20, "local_window": 4}}.get(method, {})  # fmt: skip
     method = method.split()[0]
     patch_model(model, scale=4, method=method, **params)
     ids = random_ids(LENGTH)
@@ -583,6 +589,26 @@ def test_saved_checkpoint_loads_back_into_the_same_patch(method, tmp_path):
     assert {key: info.params[key] for key in params} == params
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, expected)
+
+
+@pytest.mark.parametrize("method", ["dual-chunk", "dynamic-yarn-dca"])
+def test_plain_from_pretrained_of_an_attention_level_checkpoint_warns(method, tmp_path, caplog):
+    """from_pretrained rebuilds only the frequencies of an attention-level patch: it says so, naming
+    load_patched; load_patched itself restores the attention and does not warn."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_rope_ext.hub import load_patched, save_patched
+
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method=method)
+    save_patched(model, tmp_path / "checkpoint")
+    with caplog.at_level("WARNING", logger="hf_rope_ext.config_io"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
+    assert f"attention-level patch '{method}'" in caplog.text and "load_patched" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_rope_ext.config_io"):
+        load_patched(tmp_path / "checkpoint", attn_implementation="sdpa")
+    assert "attention-level patch" not in caplog.text
 
 
 def test_explicit_path_equals_fused_kernel_path():
@@ -661,6 +687,56 @@ def test_frequencies_at_their_own_scale_match_reference(method):
     with torch.no_grad():
         actual = model(ids).logits
     torch.testing.assert_close(actual, expected, atol=5e-5, rtol=1e-4)
+
+
+def _yarn_twin(model, factor):
+    """transformers' own yarn rotary module at ``factor`` on a copy of ``model``, and its frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    yarn = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": L0}
+    twin = native_twin(model, yarn, max_position_embeddings=math.ceil(factor * L0))
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["yarn"](twin.config, "cpu")
+    return twin, inv_freq.double()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_dynamic_yarn_dca_matches_references(family):
+    """Inside L0 the unpatched model bitwise; up to 2 x L0 transformers' yarn at scale L / L0 with plain
+    attention; beyond, transformers' yarn x2 with the naive dual chunk positions of the paper."""
+    model = make_model(family, attn_implementation="sdpa")
+    ids = random_ids(LENGTH)
+    with torch.no_grad():
+        unpatched = model(ids[:, :L0]).logits
+    twin_long, inv_freq = _yarn_twin(model, 2.0)
+    expected_long = reference_logits_at(twin_long, ids, None, lambda i, j: dual_chunk_positions(i, j, 20, 4), theta=inv_freq)
+    middle = 50  # between L0 and 2 x L0
+    twin_middle, _ = _yarn_twin(model, middle / L0)
+    with torch.no_grad():
+        expected_middle = twin_middle(ids[:, :middle]).logits
+    patch_model(model, scale=4, method="dynamic-yarn-dca", chunk_size=20, local_window=4, steps_per_doubling=None)
+    with torch.no_grad():
+        assert torch.equal(model(ids[:, :L0]).logits, unpatched)
+        torch.testing.assert_close(model(ids[:, :middle]).logits, expected_middle, atol=5e-5, rtol=1e-4)
+        torch.testing.assert_close(model(ids).logits, expected_long, atol=5e-5, rtol=1e-4)
+    # the long reference is not yarn x2 with plain attention (the remap is really on)
+    with torch.no_grad():
+        plain_x2 = twin_long(ids).logits
+    assert (plain_x2[:, 2 * L0 :] - expected_long[:, 2 * L0 :]).abs().max() > 1e-2
+
+
+def test_dynamic_yarn_dca_bad_parameters_are_refused():
+    model = make_model("llama", attn_implementation="sdpa")
+    for bad in (1, 0.5):
+        with pytest.raises(ValueError, match="frequencies_scale must be a number above 1"):
+            patch_model(model, scale=4, method="dynamic-yarn-dca", frequencies_scale=bad)
+    for bad in (True, "2", float("nan"), float("inf"), None):
+        with pytest.raises(TypeError, match="'frequencies_scale' of method 'dynamic-yarn-dca' must be a finite number"):
+            patch_model(model, scale=4, method="dynamic-yarn-dca", frequencies_scale=bad)
+    with pytest.raises(ValueError, match="chunk_size \\+ local_window <"):
+        patch_model(model, scale=4, method="dynamic-yarn-dca", chunk_size=30, local_window=4)
+    with pytest.raises(ValueError, match="beta_fast > beta_slow"):
+        patch_model(model, scale=4, method="dynamic-yarn-dca", beta_fast=1, beta_slow=2)
+    assert get_patch_info(model) is None and model.config._attn_implementation == "sdpa"
 
 
 def test_frequencies_must_name_a_static_frequency_method():

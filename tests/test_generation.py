@@ -78,7 +78,7 @@ def generation_vs_full_forward(model, prompt, new_tokens, attention_mask=None, p
 
 
 STATIC = ["linear", "ntk", "yarn", "llama3"]
-DYNAMIC = ["dynamic", "dynamic-yarn", "dynamic-linear", "longrope"]
+DYNAMIC = ["dynamic", "dynamic-yarn", "dynamic-linear", "longrope", "dynamic-yarn-dca"]
 
 
 @pytest.mark.parametrize("method", STATIC + DYNAMIC)
@@ -119,6 +119,19 @@ def test_unplanned_generation_matches_full_forward(method, steps_per_doubling):
     model = make_model("llama")
     patch_model(model, scale=4, method=method, steps_per_doubling=steps_per_doubling)
     assert generation_vs_full_forward(model, random_ids(L0 - 4), new_tokens=L0, planned=False) < TOLERANCE
+
+
+@pytest.mark.parametrize("steps_per_doubling", [None, 1])
+def test_unplanned_generation_past_the_settle_length_matches_full_forward(steps_per_doubling):
+    """dynamic-yarn-dca without a plan: frequencies follow the length up to 2 x L0, where dual chunk
+    attention starts; past it the frequencies no longer change, so the cache is not recomputed again."""
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method="dynamic-yarn-dca", steps_per_doubling=steps_per_doubling)
+    assert generation_vs_full_forward(model, random_ids(L0 - 4), new_tokens=3 * L0, planned=False) < TOLERANCE
+    crossing = recomputations(model)
+    assert crossing >= 1  # the frequencies did change on the way to 2 x L0
+    assert generation_vs_full_forward(model, random_ids(2 * L0 + 5), new_tokens=L0, planned=False) < TOLERANCE
+    assert recomputations(model) == crossing  # settled: nothing recomputed beyond 2 x L0
 
 
 def _decoder_calls(model, run) -> list[int]:

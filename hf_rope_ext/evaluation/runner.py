@@ -102,7 +102,8 @@ def rope_fingerprint(model: nn.Module, length: int) -> str:
 
     ``"original"`` for the model's own RoPE: unpatched, or a length-dependent or attention-level
     method inside the native context (where it calls the original module). Attention-level
-    methods and log-n attention add their position remap and temperature to the hash.
+    methods and log-n attention add their position remap (where it applies at ``length``) and
+    temperature to the hash.
     """
     rotary = next((module for module in model.modules() if isinstance(module, ExtendedRotaryEmbedding)), None)
     inside = rotary is not None and length <= rotary.original_max_seq_len
@@ -110,7 +111,10 @@ def rope_fingerprint(model: nn.Module, length: int) -> str:
         return "original"
     inv_freq, attention_factor = rotary.frequencies(length)
     attention = rotary.attention_patch
-    remap = "" if attention is None else f"{attention.remap!r} logn={attention.logn}"
+    position_remap = attention.remap if attention is not None and rotary.remap_applies(length) else None
+    # No remap at this length and no temperature: the frequencies alone say what the model computes.
+    plain = attention is None or (position_remap is None and not attention.logn)
+    remap = "" if plain else f"{position_remap!r} logn={attention.logn}"
     digest = hashlib.sha1(inv_freq.double().numpy().tobytes() + repr(float(attention_factor)).encode() + remap.encode())
     return digest.hexdigest()[:16]
 
