@@ -729,7 +729,7 @@ def test_eval_and_demo_commands_end_to_end(tiny_checkpoint, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| perplexity of tokens 128-256 (one forward of 384) |" in printed
     assert "| passkey retrieved at 384 tokens (depths 0.25, 0.75) |" in printed
-    assert "patched: dynamic-yarn x2" in printed
+    assert f"patched: {DEFAULT_METHOD} x2" in printed
 
 
 def test_auto_command_prints_the_table_and_the_call(tiny_checkpoint, tmp_path, monkeypatch, capsys):
