@@ -649,6 +649,28 @@ def test_evaluation_never_reuses_plain_results_for_attention_level_methods(tmp_p
     assert by_case[("self-extend", 64)]["ppl"] == pytest.approx(expected, rel=1e-6)
 
 
+def test_evaluation_reuses_dynamic_yarn_dca_only_where_it_has_no_remap(tmp_path):
+    """Up to 2 x L0 the default is dynamic-yarn (its result is reused); beyond, dual chunk attention is on."""
+    from hf_rope_ext.evaluation.runner import EvalPlan, run_evaluation
+
+    from test_evaluation import CharTokenizer
+
+    model = make_model("llama", attn_implementation="sdpa")
+    documents = {"doc": random_ids(100)[0]}
+    plan = EvalPlan(methods=["dynamic-yarn", "dynamic-yarn-dca"], scales=[4.0], ppl_lengths=[48, 96],
+                    ppl_modes=["buckets"], bucket_size=8, retrieval_tasks=[], chunk_size=16)
+    records = run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False)
+    by_case = {(r["method"], r["context_length"]): r for r in records}
+    assert by_case[("dynamic-yarn-dca", 48)]["reused_from"]["method"] == "dynamic-yarn"
+    assert by_case[("dynamic-yarn-dca", 96)]["reused_from"] is None
+    patch_model(model, 4.0, "dual-chunk", frequencies="yarn", frequencies_scale=2)
+    from hf_rope_ext.evaluation.perplexity import bucket_perplexity
+
+    expected = bucket_perplexity(model, [documents["doc"]], 96, bucket_size=8, chunk_size=16).ppl
+    assert by_case[("dynamic-yarn-dca", 96)]["ppl"] == pytest.approx(expected, rel=1e-6)
+    assert by_case[("dynamic-yarn-dca", 96)]["ppl"] != pytest.approx(by_case[("dynamic-yarn", 96)]["ppl"], rel=1e-4)
+
+
 def test_dual_chunk_on_yarn_frequencies_matches_reference():
     """Combined with a frequency method (as Qwen2.5-1M runs DCA with YaRN): transformers' own yarn rotary
     module plus the naive dual-chunk attention over yarn's frequencies."""
