@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -451,7 +450,7 @@ def vllm_longrope(patch: PatchSpec, model_type: str | None = None) -> RuntimeCom
 
 def _dca_stand_in_note(patch: PatchSpec) -> str:
     """How static yarn at the patch's scale differs from a ``dynamic-yarn-dca`` patch."""
-    settle = math.ceil(patch.params["frequencies_scale"] * patch.original_max_position_embeddings)
+    settle = patch.rope_method.settle_length(patch.resolved_params())
     return (
         f"No runtime has dual chunk attention for this architecture. Closest: static yarn at scale {patch.scale:g}; "
         f"the patch is the original model up to {patch.original_max_position_embeddings} tokens, dynamic yarn up to "
