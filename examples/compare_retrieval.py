@@ -8,7 +8,8 @@ also records the log-probability of the answer under teacher forcing (one more f
 prompt and answer), a graded measure of how close a miss or a hit was. Each trial is appended to
 `<output-dir>/trials.jsonl` as soon as it ends and each case to `<output-dir>/results.jsonl`;
 rerunning the same command skips finished cases and, inside an interrupted case, finished trials
-(a 64k prompt takes over an hour on a CPU).
+(a 64k prompt takes over half an hour on a CPU); a rerun with a larger ``--trials`` runs only the
+new trials.
 
     python examples/compare_retrieval.py --model smollm2 --length 16384 --scale 2 --depths 0.5 --trials 2 \\
         --output-dir outputs/retrieval_configs --configs "yarn;self-extend:neighbor_window=1024,far_positions=by-parts"
@@ -133,7 +134,11 @@ def main() -> None:
     results_path = output / "results.jsonl"
     trials_path = output / "trials.jsonl"
     done = {record["key"] for record in records_without_cut_line(results_path)}
-    finished_trials = {(record.get("key"), record.get("trial")): record for record in records_without_cut_line(trials_path)}
+    # a trial is found by its prompt's key (no trial count in it), so a run with more --trials reuses
+    # the trials of a shorter one: the prompts are drawn in the same order
+    finished_trials = {}
+    for record in records_without_cut_line(trials_path):
+        finished_trials[(record.get("prompt_key", record.get("key")), record.get("trial"))] = record
 
     model, tokenizer = load_model(args.model, attn_implementation=args.attn_implementation)
     native = int(model.config.max_position_embeddings)
@@ -145,6 +150,7 @@ def main() -> None:
                 key = json.dumps({"config": spec, "scale": args.scale, "length": args.length, "task": task,
                                   "depth": depth, "trials": args.trials, "seed": args.seed,
                                   "answer_logprob": args.answer_logprob}, sort_keys=True)
+                prompt_key = json.dumps({**json.loads(key), "trials": None}, sort_keys=True)
                 if key in done:
                     logger.info("%s %s depth %g: already done", spec, task, depth)
                     continue
@@ -157,7 +163,7 @@ def main() -> None:
                     for number in range(1, args.trials + 1):
                         # every prompt is drawn, finished or not, so the generator stays in step
                         prompt = make_trial(task, tokenizer, args.length - MAX_NEW_TOKENS, depth, rng)
-                        stored = finished_trials.get((key, number))
+                        stored = finished_trials.get((prompt_key, number), finished_trials.get((key, number)))
                         reused = stored and _stored_trial(stored, prompt.answer, args.answer_logprob)
                         if reused:
                             trials.append(reused)
@@ -175,7 +181,7 @@ def main() -> None:
                             answer_ids = tokenizer(" " + prompt.answer, add_special_tokens=False)["input_ids"]
                             trial["answer_logprob"] = answer_logprob(model, prompt.input_ids, answer_ids)
                         trial["seconds"] = time.perf_counter() - trial_start
-                        append_record(trials_path, {"key": key, "trial": number, **trial})
+                        append_record(trials_path, {"key": key, "prompt_key": prompt_key, "trial": number, **trial})
                         trials.append(trial)
                         # one prompt takes minutes to an hour on a CPU: say where the case stands
                         logger.info("%s %s depth %g: trial %d/%d %r (%.0f s so far)", spec, task, depth, number,

@@ -922,3 +922,44 @@ def test_compare_retrieval_example_resumes_inside_a_case(tiny_checkpoint, tmp_pa
     (again,) = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
     assert [t["output"] for t in again["trials"]] == expected.outputs
     assert all(json.loads(line) for line in (output / "trials.jsonl").read_text().splitlines())
+
+
+def test_compare_retrieval_example_runs_only_the_new_trials_when_trials_grow(tiny_checkpoint, tmp_path, monkeypatch):
+    """A rerun with a larger --trials reuses the finished trials (same prompts, drawn in the same order)
+    and generates only the new ones; the case equals the library's run with that many trials."""
+    import importlib.util
+    import sys
+
+    from hf_rope_ext import patch_model
+    from hf_rope_ext.evaluation.retrieval import retrieval_accuracy
+    from hf_rope_ext.loading import load_model
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "compare_retrieval.py"
+    spec = importlib.util.spec_from_file_location("compare_retrieval_grow", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    output = tmp_path / "out"
+    argv = ["compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--configs",
+            "yarn", "--tasks", "passkey", "--depths", "0.5", "--output-dir", str(output)]  # fmt: skip
+    real_generate = module.greedy_generate
+    prompts = []
+
+    def counted(model, input_ids, *args, **kwargs):
+        prompts.append(list(input_ids))
+        return real_generate(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(module, "greedy_generate", counted)
+    monkeypatch.setattr(sys, "argv", argv + ["--trials", "1"])
+    module.main()
+    monkeypatch.setattr(sys, "argv", argv + ["--trials", "3"])
+    module.main()
+    assert len(prompts) == 3  # one prompt, then only the two new ones
+    assert prompts[0] not in prompts[1:]
+    records = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
+    assert [len(record["trials"]) for record in records] == [1, 3]
+    model, tokenizer = load_model(str(tiny_checkpoint), device="cpu")
+    patch_model(model, 2, "yarn")
+    expected = retrieval_accuracy(model, tokenizer, "passkey", 512, 0.5, trials=3, progress=False)
+    assert [t["output"] for t in records[1]["trials"]] == expected.outputs
+    assert [t["answer"] for t in records[1]["trials"]] == expected.answers
+    assert records[0]["trials"][0] == records[1]["trials"][0]
