@@ -812,10 +812,20 @@ def test_steps_per_doubling_on_the_command_line():
         cli_main(["eval", "--methods", "dynamic", "--steps-per-doubling", "0", "--output-dir", "unused"])
 
 
+def _compare_retrieval_module(name: str):
+    """examples/compare_retrieval.py as a fresh module (its own globals, so monkeypatching stays per test)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "compare_retrieval.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_compare_retrieval_example_matches_the_library_and_resumes(tiny_checkpoint, tmp_path, monkeypatch):
     """examples/compare_retrieval.py: the evaluation tool's prompts and greedy outputs for configurations with
     parameters, and a teacher-forced answer log-probability equal to a float64 log-softmax of the full logits."""
-    import importlib.util
     import random
     import sys
 
@@ -823,10 +833,7 @@ def test_compare_retrieval_example_matches_the_library_and_resumes(tiny_checkpoi
     from hf_rope_ext.evaluation.retrieval import make_trial, retrieval_accuracy, trial_seed
     from hf_rope_ext.loading import load_model
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "compare_retrieval.py"
-    spec = importlib.util.spec_from_file_location("compare_retrieval", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _compare_retrieval_module("compare_retrieval")
     output = tmp_path / "out"
     configs = "yarn;self-extend:neighbor_window=64,far_positions=by-parts"
     argv = ["compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--configs",
@@ -864,17 +871,13 @@ def test_compare_retrieval_example_matches_the_library_and_resumes(tiny_checkpoi
 def test_compare_retrieval_example_resumes_inside_a_case(tiny_checkpoint, tmp_path, monkeypatch):
     """A run stopped after the first trial of a case keeps that trial: the rerun generates only the
     second prompt, and the case equals an uninterrupted run (the library's outputs for the same patch)."""
-    import importlib.util
     import sys
 
     from hf_rope_ext import patch_model
     from hf_rope_ext.evaluation.retrieval import retrieval_accuracy
     from hf_rope_ext.loading import load_model
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "compare_retrieval.py"
-    spec = importlib.util.spec_from_file_location("compare_retrieval_resume", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _compare_retrieval_module("compare_retrieval_resume")
     output = tmp_path / "out"
     argv = ["compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--configs",
             "self-extend:neighbor_window=64", "--tasks", "passkey", "--depths", "0.5", "--trials", "2",
@@ -927,17 +930,13 @@ def test_compare_retrieval_example_resumes_inside_a_case(tiny_checkpoint, tmp_pa
 def test_compare_retrieval_example_runs_only_the_new_trials_when_trials_grow(tiny_checkpoint, tmp_path, monkeypatch):
     """A rerun with a larger --trials reuses the finished trials (same prompts, drawn in the same order)
     and generates only the new ones; the case equals the library's run with that many trials."""
-    import importlib.util
     import sys
 
     from hf_rope_ext import patch_model
     from hf_rope_ext.evaluation.retrieval import retrieval_accuracy
     from hf_rope_ext.loading import load_model
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "compare_retrieval.py"
-    spec = importlib.util.spec_from_file_location("compare_retrieval_grow", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _compare_retrieval_module("compare_retrieval_grow")
     output = tmp_path / "out"
     argv = ["compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--configs",
             "yarn", "--tasks", "passkey", "--depths", "0.5", "--output-dir", str(output)]  # fmt: skip
