@@ -52,6 +52,8 @@ __all__ = ["DualChunkRemap", "PositionRemap", "Regime", "SelfExtendRemap", "rema
 # per such block whatever the length.
 KEY_BLOCK = 512
 QUERY_CHUNK = 512
+# Set once a fused CUDA kernel refuses a call (see _partial_attention).
+_FUSED_CUDA_FAILED = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,11 @@ class PositionRemap:
     def max_distance(self, length: int) -> int:
         """Largest ``P_q - P_k`` the remap produces for sequences up to ``length`` tokens."""
         raise NotImplementedError
+
+    def query_breaks(self, q_lo: int, q_hi: int) -> list[int]:
+        """Query positions in ``(q_lo, q_hi]`` where the regime of every key can change (a query
+        chunk that straddles one needs an elementwise mask on every key block, so chunks are cut there)."""
+        return []
 
 
 @dataclass(frozen=True)
@@ -167,6 +174,15 @@ class SelfExtendRemap(PositionRemap):
         while position // group + W - W // group >= L0:
             group += 1
         return group
+
+    def query_breaks(self, q_lo: int, q_hi: int) -> list[int]:
+        # G(p) exceeds g from p = (L0 - W + floor(W / g)) g on (see group_for); L0: remapping starts
+        W, L0 = self.neighbor_window, self.original_length
+        breaks = [L0] if q_lo < L0 <= q_hi else []
+        if self.group_size is None and q_hi >= L0:
+            for group in range(self.group_for(max(q_lo, L0)), self.group_for(q_hi)):
+                breaks.append((L0 - W + W // group) * group)
+        return [b for b in breaks if q_lo < b <= q_hi]
 
     def _groups(self, positions: torch.Tensor) -> torch.Tensor:
         if self.group_size is not None:
@@ -464,43 +480,94 @@ def _partial_attention(
     ``key``/``value`` have ``Hkv`` heads, ``H`` a multiple of it (grouped-query attention: query
     head ``h`` reads key head ``h // (H / Hkv)``). ``allowed`` (B, 1, C, K) bool or None (all).
     Rows with no allowed key get output 0 and log-sum-exp ``-inf``, so they drop out of the merge.
+
+    Inference on CPU and CUDA uses PyTorch's fused kernels that return the log-sum-exp (the CPU
+    flash kernel; on CUDA FlashAttention-2 for unmasked bf16/fp16 tiles, the memory-efficient
+    kernel otherwise). Training, and any other device, use an explicit float32 computation: the
+    fused kernels' backward ignores the gradient of the log-sum-exp, which the merge needs.
     """
-    batch, heads, rows, dim = query.shape
-    repeat = heads // key.shape[1]
+    global _FUSED_CUDA_FAILED
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    # The fused kernel's backward ignores the gradient of its log-sum-exp, which the merge needs:
-    # it serves inference only.
-    if query.device.type == "cpu" and not needs_grad:
-        if allowed is None:
-            # the query heads of one key head become rows of one head: no copy of the keys
-            folded = query.reshape(batch, heads // repeat, repeat * rows, dim)
-            output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                folded, key, value, 0.0, False, attn_mask=None, scale=scaling
-            )
-            output, lse = output.reshape(batch, heads, rows, dim), lse.reshape(batch, heads, rows)
-        else:  # a masked tile: its keys are copied per query head (the mask cannot follow a fold)
-            if repeat > 1:
-                key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-            bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, -math.inf)
-            output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, 0.0, False, attn_mask=bias, scale=scaling
-            )
-        lse = lse.float()
-    else:  # explicit float32 computation (any device, and training); the tiles are small
-        folded = query.float().reshape(batch, heads // repeat, repeat, rows, dim)
-        scores = torch.matmul(folded, key.float()[:, :, None].transpose(-1, -2)) * scaling  # (B, Hkv, r, C, K)
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed[:, :, None], -math.inf)
-        lse = torch.logsumexp(scores, dim=-1)
-        weights = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
-        output = torch.matmul(weights, value.float()[:, :, None]).to(query.dtype)
-        output, lse = output.reshape(batch, heads, rows, dim), lse.reshape(batch, heads, rows)
+    fused = not needs_grad and (query.device.type == "cpu" or (query.device.type == "cuda" and not _FUSED_CUDA_FAILED))
+    output = None
+    if fused:
+        try:
+            output, lse = _fused_partial_attention(query, key, value, allowed, scaling)
+        except RuntimeError as error:
+            if query.device.type != "cuda":
+                raise
+            # A GPU or build without these kernels (or a shape they refuse): same result, slower.
+            _FUSED_CUDA_FAILED = True
+            logger.warning("Fused CUDA attention kernels unavailable (%s); using the explicit float32 "
+                           "computation from now on.", str(error).splitlines()[0])
+    if output is None:
+        output, lse = _explicit_partial_attention(query, key, value, allowed, scaling)
     if allowed is not None:
         empty = ~allowed.any(dim=-1)  # (B, 1, C)
         if bool(empty.any()):
             lse = lse.masked_fill(empty, -math.inf)
             output = output.masked_fill(empty[..., None], 0.0)
     return output, lse
+
+
+def _fused_partial_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_partial_attention` through a fused kernel (CPU or CUDA, no gradient)."""
+    batch, heads, rows, dim = query.shape
+    repeat = heads // key.shape[1]
+    on_cuda = query.device.type == "cuda"
+    if allowed is None:
+        # the query heads of one key head become rows of one head: no copy of the keys
+        folded = query.reshape(batch, heads // repeat, repeat * rows, dim)
+        if not on_cuda:
+            output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                folded, key, value, 0.0, False, attn_mask=None, scale=scaling
+            )[:2]
+        elif query.dtype in (torch.float16, torch.bfloat16) and dim <= 256:
+            output, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                folded, key, value, 0.0, False, False, scale=scaling
+            )[:2]
+        else:
+            output, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                folded, key, value, None, True, 0.0, False, scale=scaling
+            )[:2]
+        lse = lse[..., : repeat * rows]  # the CUDA memory-efficient kernel pads its rows to a multiple of 32
+        return output.reshape(batch, heads, rows, dim), lse.reshape(batch, heads, rows).float()
+    # a masked tile: its keys are copied per query head (the mask cannot follow a fold)
+    if repeat > 1:
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    if on_cuda:
+        # The memory-efficient kernel wants the bias's last dimension 16-aligned: pad, then view.
+        width = allowed.shape[-1]
+        padded = torch.zeros((*allowed.shape[:-1], -(-width // 16) * 16), dtype=query.dtype, device=query.device)
+        bias = padded[..., :width].masked_fill_(~allowed, -math.inf).expand(batch, heads, rows, width)
+        output, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, True, 0.0, False, scale=scaling
+        )[:2]
+        lse = lse[..., :rows]
+    else:
+        bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, -math.inf)
+        output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, False, attn_mask=bias, scale=scaling
+        )[:2]
+    return output, lse.float()
+
+
+def _explicit_partial_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_partial_attention` computed explicitly in float32 (any device, differentiable)."""
+    batch, heads, rows, dim = query.shape
+    repeat = heads // key.shape[1]
+    folded = query.float().reshape(batch, heads // repeat, repeat, rows, dim)
+    scores = torch.matmul(folded, key.float()[:, :, None].transpose(-1, -2)) * scaling  # (B, Hkv, r, C, K)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[:, :, None], -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
+    output = torch.matmul(weights, value.float()[:, :, None]).to(query.dtype)
+    return output.reshape(batch, heads, rows, dim), lse.reshape(batch, heads, rows)
 
 
 class _Accumulator:
@@ -571,8 +638,13 @@ def remapped_attention(
     query_positions = query_positions.expand(batch, -1)
     key_positions = key_positions.expand(batch, -1)
     inv_freq = inv_freq.to(query.device)
-    q_lo, q_hi = int(query_positions.min()), int(query_positions.max())
-    k_lo, k_hi = int(key_positions.min()), int(key_positions.max())
+    # Tiles are classified from positions with integer work on the host: on a GPU, reading a
+    # device tensor per tile would wait for the device thousands of times per layer.
+    query_host, key_host = query_positions.detach().cpu(), key_positions.detach().cpu()
+    q_lo, q_hi = int(query_host.min()), int(query_host.max())
+    k_lo, k_hi = int(key_host.min()), int(key_host.max())
+    key_bounds = _block_bounds(key_host, KEY_BLOCK)
+    keys_sorted = bool((key_host[:, 1:] >= key_host[:, :-1]).all())
     regimes = (
         remap.regimes(q_hi, inv_freq) if remap is not None else [Regime("plain", None, None, lambda pq, pk: pk <= pq)]
     )
@@ -590,27 +662,65 @@ def remapped_attention(
             by_map[regime.key_map_name] = _apply_rotation(key, *tables.get(regime, key_positions, inv_freq))
         rotated_keys.append(by_map[regime.key_map_name])
     chunk = max(1, min(query_len, query_chunk or QUERY_CHUNK))
+    starts = list(range(0, query_len, chunk))
+    row = query_host[0]
+    if remap is not None and query_len > 1 and bool((row[1:] >= row[:-1]).all()):
+        breaks = remap.query_breaks(q_lo, q_hi)
+        cuts = torch.searchsorted(row, torch.tensor(breaks, dtype=row.dtype)).tolist() if breaks else []
+        starts = sorted(set(starts).union(cut for cut in cuts if 0 < cut < query_len))
     outputs = []
-    for start in range(0, query_len, chunk):
-        end = min(query_len, start + chunk)
+    for start, end in zip(starts, starts[1:] + [query_len]):
         q = query[:, :, start:end]
         pq = query_positions[:, start:end]
         if logn_length is not None:
             q = (q.float() * logn_factor(pq, logn_length).to(q.device, torch.float32)[:, None, :, None]).to(q.dtype)
         base = allowed(start, end)  # (B, 1, C, Tk) or None
+        chunk_lo, chunk_hi = int(query_host[:, start:end].min()), int(query_host[:, start:end].max())
         # Keys after the chunk's last query are never visible (causal): stop there.
-        last_key = int((key_positions <= pq.max()).sum(dim=-1).max())
+        if keys_sorted:
+            last_key = int(torch.searchsorted(key_host, torch.full((batch, 1), chunk_hi), right=True).max())
+        else:
+            last_key = int((key_host <= chunk_hi).sum(dim=-1).max())
+        tiles = _Tiles(chunk_lo, chunk_hi, last_key, key_bounds, key_host)
         accumulator = _Accumulator()
-        chunk_lo, chunk_hi = int(pq.min()), int(pq.max())
         for regime, keys in zip(regimes, rotated_keys):
             if regime.classify is not None and regime.classify(chunk_lo, chunk_hi, k_lo, k_hi) == SKIP:
                 continue  # e.g. the groups of later queries
             qr = q if regime.query_position is None else _rotate(q, _shift(regime.query_position, pq), inv_freq)
-            _add_regime(
-                accumulator, regime, qr, keys, value, pq, key_positions, base, last_key, scaling
-            )
+            _add_regime(accumulator, regime, qr, keys, value, pq, key_positions, base, tiles, scaling)
         outputs.append(accumulator.result().to(query.dtype))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """The key blocks one query chunk reads, with their position ranges as host integers."""
+
+    q_lo: int
+    q_hi: int
+    last_key: int  # keys from here on come after every query of the chunk
+    key_bounds: list[tuple[int, int]]  # (min, max) position of each whole block of KEY_BLOCK keys
+    key_host: torch.Tensor  # (B, Tk) key positions on the host
+
+    def blocks(self):
+        """``(start, end, k_lo, k_hi)`` for each block of keys before ``last_key``."""
+        for index, block_start in enumerate(range(0, self.last_key, KEY_BLOCK)):
+            block_end = min(self.last_key, block_start + KEY_BLOCK)
+            if block_end - block_start == KEY_BLOCK:
+                k_lo, k_hi = self.key_bounds[index]
+            else:  # a block cut by last_key: its own range
+                part = self.key_host[:, block_start:block_end]
+                k_lo, k_hi = int(part.min()), int(part.max())
+            yield block_start, block_end, k_lo, k_hi
+
+
+def _block_bounds(positions: torch.Tensor, size: int) -> list[tuple[int, int]]:
+    """``(min, max)`` of host ``positions`` (B, N) over each whole block of ``size`` columns."""
+    whole = positions.shape[-1] // size * size
+    if not whole:
+        return []
+    blocks = positions[:, :whole].reshape(positions.shape[0], -1, size)
+    return list(zip(blocks.amin(dim=(0, 2)).tolist(), blocks.amax(dim=(0, 2)).tolist()))
 
 
 def _add_regime(
@@ -622,16 +732,13 @@ def _add_regime(
     pq: torch.Tensor,
     pk: torch.Tensor,
     base: torch.Tensor | None,
-    last_key: int,
+    tiles: _Tiles,
     scaling: float,
 ) -> None:
     """Add one regime's keys, block by block, skipping blocks it does not select."""
-    q_lo, q_hi = int(pq.min()), int(pq.max())
+    q_lo, q_hi, last_key = tiles.q_lo, tiles.q_hi, tiles.last_key
     statuses, masks = [], []
-    for block_start in range(0, last_key, KEY_BLOCK):
-        block_end = min(last_key, block_start + KEY_BLOCK)
-        block_pk = pk[:, block_start:block_end]
-        k_lo, k_hi = int(block_pk.min()), int(block_pk.max())
+    for block_start, block_end, k_lo, k_hi in tiles.blocks():
         status = _status(k_hi <= q_lo, k_lo > q_hi)  # causal
         if regime.classify is not None:
             status = _both(status, regime.classify(q_lo, q_hi, k_lo, k_hi))
@@ -639,6 +746,7 @@ def _add_regime(
             status = _both(status, PARTIAL)
         mask = None
         if status != SKIP and (status == PARTIAL or base is not None):
+            block_pk = pk[:, block_start:block_end]
             mask = regime.select(pq[:, :, None], block_pk[:, None, :])[:, None]  # (B, 1, C, K)
             if base is None:
                 mask = mask & (block_pk[:, None, None, :] <= pq[:, None, :, None])

@@ -436,6 +436,51 @@ def test_group_per_query_reaches_the_edge_of_the_trained_distances_and_no_furthe
     assert groups == [next(g for g in range(2, i + 2) if i // g + 8 - 8 // g < L0) for i in range(L0, LENGTH)]
 
 
+@pytest.mark.parametrize("window, group", [(8, None), (4096, None), (2048, None), (8, 3)])
+def test_query_chunks_are_cut_where_the_group_size_changes(window, group):
+    """The cut points are the positions where the paper's group of a query (the smallest that keeps its
+    distances inside L0, brute force) changes, plus L0 where the remap starts; and cutting there keeps
+    every tile of a chunk inside one group."""
+    original = 32 if window == 8 else 8192
+    remap = attention_level.SelfExtendRemap(group, window, original)
+
+    def paper_group(i):
+        return group or next(g for g in range(2, i + 2) if i // g + window - window // g < original)
+
+    last = 4 * original
+    expected = [original] + [i for i in range(original + 1, last + 1) if paper_group(i) != paper_group(i - 1)]
+    assert remap.query_breaks(0, last) == expected
+    assert remap.query_breaks(original, last) == expected[1:]  # (q_lo, q_hi]: q_lo itself is no cut
+    if group is None:
+        assert len(expected) > 2
+        middle = expected[2]
+        assert remap.query_breaks(middle - 1, middle) == [middle] and remap.query_breaks(middle, middle + 5) == []
+
+
+def test_cut_query_chunks_give_the_unchunked_result():
+    """Chunks of 13 queries, cut again at each group change, give what one uncut chunk of every query
+    computes (float64)."""
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(1, 2, LENGTH, 8, dtype=torch.float64) for _ in range(3))
+    positions = torch.arange(LENGTH)[None]
+    theta = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    remap = attention_level.SelfExtendRemap(None, 8, L0)
+    assert len(remap.query_breaks(0, LENGTH - 1)) >= 3
+    common = dict(query_positions=positions, key_positions=positions, allowed=lambda a, b: None, remap=remap,
+                  inv_freq=theta, scaling=0.3)
+    class Uncut(attention_level.SelfExtendRemap):
+        def query_breaks(self, q_lo, q_hi):
+            return []
+
+    with torch.no_grad():
+        whole = attention_level.remapped_attention(
+            query, key, value, query_chunk=LENGTH, **{**common, "remap": Uncut(None, 8, L0)}
+        )
+        cut = attention_level.remapped_attention(query, key, value, query_chunk=13, **common)
+    # (the rotation tables are float32: the two orders of merging agree to that precision)
+    torch.testing.assert_close(cut, whole, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize(
     "method, params, message",
     [

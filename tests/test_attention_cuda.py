@@ -1,0 +1,81 @@
+"""Attention-level methods on a CUDA GPU: the fused kernels against a float64 softmax, and the
+patched model against the papers' position maps (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_rope_ext import patch_model, unpatch_model
+from hf_rope_ext import attention as attention_level
+
+from conftest import make_model, random_ids
+from test_attention import LENGTH, PAPER_CASES, _generation_matches_full_forward, reference_logits
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def softmax_reference(query, key, value, allowed, scaling):
+    """Output and log-sum-exp of masked softmax attention, in float64 on the host."""
+    q, k, v = (x.double().cpu() for x in (query, key, value))
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = q @ k.transpose(-1, -2) * scaling
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed.cpu(), -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
+    return weights @ v, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_cuda_kernels_match_a_float64_softmax(dtype, masked):
+    # 9 query heads on 3 key heads (SmolLM2's grouping), rows and keys not multiples of 16 or 32
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 9, 70, 64, generator=generator)
+    key, value = torch.randn(1, 3, 100, 64, generator=generator), torch.randn(1, 3, 100, 64, generator=generator)
+    allowed = None
+    if masked:
+        allowed = torch.rand(1, 1, 70, 100, generator=generator) < 0.6
+        allowed[:, :, 5] = False  # a row with no key at all
+    expected_output, expected_lse = softmax_reference(query, key, value, allowed, 0.125)
+    cuda = [x.to("cuda", dtype) for x in (query, key, value)]
+    with torch.no_grad():
+        output, lse = attention_level._partial_attention(
+            *cuda, None if allowed is None else allowed.cuda(), 0.125
+        )
+    assert not attention_level._FUSED_CUDA_FAILED, "a fused CUDA kernel refused the call"
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(output.double().cpu(), expected_output, atol=tolerance, rtol=tolerance)
+    finite = torch.isfinite(expected_lse)
+    torch.testing.assert_close(lse.double().cpu()[finite], expected_lse[finite], atol=tolerance, rtol=tolerance)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)  # the empty row drops out of the merge
+
+
+@pytest.mark.parametrize("case", list(PAPER_CASES))
+def test_patched_model_on_cuda_matches_naive_reference(case):
+    ids = random_ids(LENGTH)
+    params, position_fn = PAPER_CASES[case]
+    # the float64 reference runs on the host, on the same weights
+    expected = reference_logits(make_model("llama", attn_implementation="sdpa"), ids, position_fn)
+    model = make_model("llama", attn_implementation="sdpa").cuda()
+    patch_model(model, scale=4, method=case.split()[0], **params)
+    try:
+        with torch.no_grad():
+            actual = model(ids.cuda()).logits
+    finally:
+        unpatch_model(model)
+    assert not attention_level._FUSED_CUDA_FAILED, "a fused CUDA kernel refused the call"
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "dynamic-yarn-dca"])
+def test_generation_with_cache_equals_full_forward_on_cuda(method):
+    model = make_model("llama", attn_implementation="sdpa").cuda()
+    params = {"self-extend": {"neighbor_window": 8}}.get(method, {"chunk_size": 20, "local_window": 4})
+    patch_model(model, scale=4, method=method, **params)
+    _generation_matches_full_forward(model, random_ids(20).cuda())
+    assert not attention_level._FUSED_CUDA_FAILED, "a fused CUDA kernel refused the call"
