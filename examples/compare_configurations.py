@@ -28,6 +28,7 @@ import torch
 from hf_rope_ext import patch_model, unpatch_model
 from hf_rope_ext.arguments import (
     add_attn_implementation_argument,
+    add_dtype_argument,
     add_model_argument,
     add_option,
     add_output_dir_argument,
@@ -55,6 +56,7 @@ def main() -> None:
     add_option(parser, "--ranges", default=None, help="comma-separated range edges (default 0,L0/2,L0,length)")
     add_output_dir_argument(parser, help="results.jsonl and table.md go here")
     add_attn_implementation_argument(parser, choices=("sdpa", "eager", "flash_attention_2"))
+    add_dtype_argument(parser)
     args = parser.parse_args()
     if len(args.text_files) != 1:
         parser.error(f"give one document with --text-files, got {len(args.text_files)}")
@@ -71,7 +73,8 @@ def main() -> None:
     results_path = output / "results.jsonl"
     done = {record["key"]: record for record in read_records(results_path)}
 
-    model, tokenizer = load_model(args.model, attn_implementation=args.attn_implementation)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
+    device = model.get_input_embeddings().weight.device
     native = int(model.config.max_position_embeddings)
     ids = tokenize(tokenizer, read_text(args.text_file))
     if len(ids) < args.length:
@@ -79,17 +82,24 @@ def main() -> None:
     edges = [int(x) for x in args.ranges.split(",")] if args.ranges else [0, native // 2, native, args.length]
 
     for spec, (method, params) in zip(specs, configurations):
-        key = json.dumps({"config": spec, "scale": args.scale, "length": args.length, "text": Path(args.text_file).name,
-                          "edges": edges}, sort_keys=True)
+        fields = {"config": spec, "scale": args.scale, "length": args.length, "text": Path(args.text_file).name,
+                  "edges": edges}
+        if args.dtype != "fp32":  # fp32 keys stay as they were, so earlier results are still found
+            fields["dtype"] = args.dtype
+        key = json.dumps(fields, sort_keys=True)
         if key in done:
             logger.info("%s: already done", spec)
             continue
         if method != "none":
             patch_model(model, args.scale, method, original_max_length=native, **params)
         try:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
             with torch.no_grad():
                 result = bucket_perplexity(model, [ids], args.length, boundaries=edges)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             seconds = time.perf_counter() - start
         finally:
             if method != "none":
@@ -98,7 +108,10 @@ def main() -> None:
         record = {"key": key, "config": spec, "scale": args.scale, "length": args.length, "edges": edges,
                   "ppl": ppl, "seconds": seconds,
                   # the process's peak resident memory so far (Linux: KiB), an upper bound for this forward
-                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                  "dtype": args.dtype, "device": str(device)}
+        if device.type == "cuda":  # this forward's own peak (the counter was reset before it)
+            record["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         # An interrupted run can leave a last line without its newline: start on a fresh line.
         fresh_line = not results_path.exists() or results_path.read_bytes()[-1:] in (b"", b"\n")
         with results_path.open("a") as handle:
@@ -107,12 +120,15 @@ def main() -> None:
 
     rows = read_records(results_path)
     base = {r["length"]: r["seconds"] for r in rows if r["config"] == "none"}
-    lines = ["| config | scale | length | " + " | ".join(f"ppl {a}-{b}" for a, b in zip(edges, edges[1:])) + " | time vs none |",
-             "|---|---|---|" + "---|" * (len(edges) - 1) + "---|"]
+    lines = ["| config | scale | length | dtype | " + " | ".join(f"ppl {a}-{b}" for a, b in zip(edges, edges[1:]))
+             + " | seconds | time vs none | peak memory GiB |",
+             "|---|---|---|---|" + "---|" * (len(edges) - 1) + "---|---|---|"]
     for r in rows:
         ratio = f"{r['seconds'] / base[r['length']]:.2f}" if r["length"] in base else ""
-        lines.append(f"| {r['config']} | {r['scale']:g} | {r['length']} | " + " | ".join(f"{p:.2f}" for p in r["ppl"])
-                     + f" | {ratio} |")
+        memory = r.get("peak_gpu_gib", r.get("peak_rss_gib"))
+        lines.append(f"| {r['config']} | {r['scale']:g} | {r['length']} | {r.get('dtype', 'fp32')} | "
+                     + " | ".join(f"{p:.2f}" for p in r["ppl"])
+                     + f" | {r['seconds']:.1f} | {ratio} | {'' if memory is None else f'{memory:.2f}'} |")
     atomic_write_text(output / "table.md", "\n".join(lines) + "\n")
     logger.info("\n%s", "\n".join(lines))
 

@@ -29,6 +29,7 @@ import torch
 from hf_rope_ext import patch_model, unpatch_model
 from hf_rope_ext.arguments import (
     add_attn_implementation_argument,
+    add_dtype_argument,
     add_model_argument,
     add_option,
     add_output_dir_argument,
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--answer-logprob", action="store_true", help="also score the answer by teacher forcing")
     add_output_dir_argument(parser, help="results.jsonl and table.md go here")
     add_attn_implementation_argument(parser, choices=("sdpa", "eager", "flash_attention_2"))
+    add_dtype_argument(parser)
     args = parser.parse_args()
     specs = [part.strip() for part in args.configs.split(";") if part.strip()]
     try:
@@ -140,16 +142,18 @@ def main() -> None:
     for record in records_without_cut_line(trials_path):
         finished_trials[(record.get("prompt_key", record.get("key")), record.get("trial"))] = record
 
-    model, tokenizer = load_model(args.model, attn_implementation=args.attn_implementation)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
     native = int(model.config.max_position_embeddings)
     eos = getattr(tokenizer, "eos_token_id", None)
     pad = getattr(tokenizer, "pad_token_id", None)
     for spec, (method, params) in zip(specs, configurations):
         for task in tasks:
             for depth in depths:
-                key = json.dumps({"config": spec, "scale": args.scale, "length": args.length, "task": task,
-                                  "depth": depth, "trials": args.trials, "seed": args.seed,
-                                  "answer_logprob": args.answer_logprob}, sort_keys=True)
+                fields = {"config": spec, "scale": args.scale, "length": args.length, "task": task, "depth": depth,
+                          "trials": args.trials, "seed": args.seed, "answer_logprob": args.answer_logprob}
+                if args.dtype != "fp32":  # fp32 keys stay as they were, so earlier trials are still found
+                    fields["dtype"] = args.dtype
+                key = json.dumps(fields, sort_keys=True)
                 prompt_key = json.dumps({**json.loads(key), "trials": None}, sort_keys=True)
                 if key in done:
                     logger.info("%s %s depth %g: already done", spec, task, depth)
@@ -192,18 +196,18 @@ def main() -> None:
                         unpatch_model(model)
                 record = {"key": key, "config": spec, "scale": args.scale, "length": args.length, "task": task,
                           "depth": depth, "correct": sum(t["correct"] for t in trials), "trials": trials,
-                          "seconds": seconds}
+                          "seconds": seconds, "dtype": args.dtype}
                 append_record(results_path, record)
                 logger.info("%s %s depth %g: %d/%d %s (%.0f s)", spec, task, depth, record["correct"], len(trials),
                             [t["output"] for t in trials], seconds)
 
-    lines = ["| config | scale | length | task | depth | correct | outputs | answer log-prob (mean) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | scale | length | dtype | task | depth | correct | outputs | answer log-prob (mean) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in read_records(results_path):
         scores = [t["answer_logprob"] for t in r["trials"] if "answer_logprob" in t]
         mean = f"{sum(scores) / len(scores):.2f}" if scores else ""
         outputs = "; ".join(repr(t["output"]) for t in r["trials"])
-        lines.append(f"| {r['config']} | {r['scale']:g} | {r['length']} | {r['task']} | {r['depth']:g} | "
+        lines.append(f"| {r['config']} | {r['scale']:g} | {r['length']} | {r.get('dtype', 'fp32')} | {r['task']} | {r['depth']:g} | "
                      f"{r['correct']}/{len(r['trials'])} | {outputs} | {mean} |")
     atomic_write_text(output / "table.md", "\n".join(lines) + "\n")
     logger.info("\n%s", "\n".join(lines))

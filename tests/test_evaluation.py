@@ -812,11 +812,12 @@ def test_steps_per_doubling_on_the_command_line():
         cli_main(["eval", "--methods", "dynamic", "--steps-per-doubling", "0", "--output-dir", "unused"])
 
 
-def _compare_retrieval_module(name: str):
-    """examples/compare_retrieval.py as a fresh module (its own globals, so monkeypatching stays per test)."""
+def _compare_retrieval_module(name: str, script: str = "compare_retrieval.py"):
+    """examples/compare_retrieval.py (or another example ``script``) as a fresh module (its own globals,
+    so monkeypatching stays per test)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "compare_retrieval.py"
+    path = Path(__file__).resolve().parents[1] / "examples" / script
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -865,7 +866,7 @@ def test_compare_retrieval_example_matches_the_library_and_resumes(tiny_checkpoi
     before = (output / "results.jsonl").read_text()
     module.main()  # a rerun finds every case done
     assert (output / "results.jsonl").read_text() == before
-    assert "| yarn | 2 | 512 | passkey | 0.5 |" in (output / "table.md").read_text()
+    assert "| yarn | 2 | 512 | fp32 | passkey | 0.5 |" in (output / "table.md").read_text()
 
 
 def test_compare_retrieval_example_resumes_inside_a_case(tiny_checkpoint, tmp_path, monkeypatch):
@@ -962,3 +963,53 @@ def test_compare_retrieval_example_runs_only_the_new_trials_when_trials_grow(tin
     assert [t["output"] for t in records[1]["trials"]] == expected.outputs
     assert [t["answer"] for t in records[1]["trials"]] == expected.answers
     assert records[0]["trials"][0] == records[1]["trials"][0]
+
+
+def test_compare_configurations_example_matches_the_library_per_dtype(tiny_checkpoint, tmp_path, monkeypatch):
+    """examples/compare_configurations.py: each range's perplexity is exp of the mean token loss of one
+    forward (a float64 log-softmax of the full logits), fp32 and bf16 runs are kept apart, and a rerun
+    skips finished configurations."""
+    import math
+    import sys
+
+    from hf_rope_ext import patch_model, unpatch_model
+    from hf_rope_ext.data import read_text, tokenize
+    from hf_rope_ext.loading import load_model
+
+    module = _compare_retrieval_module("compare_configurations", "compare_configurations.py")
+    text = tmp_path / "doc.txt"
+    text.write_text(" ".join(f"Line {i} of a long story about the sea and the ship." for i in range(120)))
+    output = tmp_path / "out"
+
+    def run(dtype):
+        monkeypatch.setattr(sys, "argv", [
+            "compare_configurations.py", "--model", str(tiny_checkpoint), "--text-files", str(text), "--length", "512",
+            "--scale", "2", "--configs", "yarn;self-extend:neighbor_window=64", "--dtype", dtype,
+            "--output-dir", str(output)])  # fmt: skip
+        module.main()
+
+    run("fp32")
+    run("bf16")
+    records = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
+    assert [(r["config"], r["dtype"]) for r in records] == [
+        ("yarn", "fp32"), ("self-extend:neighbor_window=64", "fp32"),
+        ("yarn", "bf16"), ("self-extend:neighbor_window=64", "bf16")]  # fmt: skip
+    assert records[0]["edges"] == [0, 128, 256, 512]
+    for dtype, torch_dtype, tolerance in (("fp32", torch.float32, 1e-4), ("bf16", torch.bfloat16, 1e-3)):
+        model, tokenizer = load_model(str(tiny_checkpoint), dtype=dtype, device="cpu")
+        ids = tokenize(tokenizer, read_text(text))[:512]
+        for record, (method, params) in zip([r for r in records if r["dtype"] == dtype],
+                                            [("yarn", {}), ("self-extend", {"neighbor_window": 64})]):
+            patch_model(model, 2, method, **params)
+            with torch.no_grad():
+                logits = model(ids[None]).logits[0].double()
+            unpatch_model(model)
+            losses = -torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
+            # position p's loss predicts token p + 1; ranges are of predicted positions
+            expected = [math.exp(float(losses[max(a - 1, 0) : b - 1].mean())) for a, b in ((0, 128), (128, 256), (256, 512))]
+            assert record["ppl"] == pytest.approx(expected, rel=tolerance)
+        assert model.dtype == torch_dtype
+    before = (output / "results.jsonl").read_text()
+    run("bf16")  # every configuration of this dtype is done
+    assert (output / "results.jsonl").read_text() == before
+    assert "| yarn | 2 | 512 | bf16 |" in (output / "table.md").read_text()
