@@ -24,8 +24,10 @@ step() {  # run one step, log it, keep going on failure
     echo "=== $name: rc $rc, $((SECONDS - start)) s"
     [ "$rc" = 0 ] || status=1
 }
-"$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
-torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
+"$py" -c "import sys, torch, transformers
+if not torch.cuda.is_available():
+    sys.exit('error: no CUDA GPU visible; this script runs the GPU cases (README gives the CPU commands)')
+print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))" || exit 1
 bf16=(--model smollm2 --dtype bf16 --attn-implementation sdpa)
 step cuda_tests "$py" -m pytest -q -p no:cacheprovider tests/test_attention_cuda.py
 step perplexity_64k "$py" examples/compare_configurations.py "${bf16[@]}" --text-files "$books/pg84.txt" \
