@@ -812,9 +812,9 @@ def test_steps_per_doubling_on_the_command_line():
         cli_main(["eval", "--methods", "dynamic", "--steps-per-doubling", "0", "--output-dir", "unused"])
 
 
-def _compare_retrieval_module(name: str, script: str = "compare_retrieval.py"):
-    """examples/compare_retrieval.py (or another example ``script``) as a fresh module (its own globals,
-    so monkeypatching stays per test)."""
+def _example_module(name: str, script: str = "compare_retrieval.py"):
+    """An example script (default compare_retrieval.py) as a fresh module (its own globals, so
+    monkeypatching stays per test)."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "examples" / script
@@ -834,7 +834,7 @@ def test_compare_retrieval_example_matches_the_library_and_resumes(tiny_checkpoi
     from hf_rope_ext.evaluation.retrieval import make_trial, retrieval_accuracy, trial_seed
     from hf_rope_ext.loading import load_model
 
-    module = _compare_retrieval_module("compare_retrieval")
+    module = _example_module("compare_retrieval")
     output = tmp_path / "out"
     configs = "yarn;self-extend:neighbor_window=64,far_positions=by-parts"
     argv = ["compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--configs",
@@ -878,7 +878,7 @@ def test_compare_retrieval_example_resumes_inside_a_case(tiny_checkpoint, tmp_pa
     from hf_rope_ext.evaluation.retrieval import retrieval_accuracy
     from hf_rope_ext.loading import load_model
 
-    module = _compare_retrieval_module("compare_retrieval_resume")
+    module = _example_module("compare_retrieval_resume")
     output = tmp_path / "out"
     argv = ["compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--configs",
             "self-extend:neighbor_window=64", "--tasks", "passkey", "--depths", "0.5", "--trials", "2",
@@ -937,7 +937,7 @@ def test_compare_retrieval_example_runs_only_the_new_trials_when_trials_grow(tin
     from hf_rope_ext.evaluation.retrieval import retrieval_accuracy
     from hf_rope_ext.loading import load_model
 
-    module = _compare_retrieval_module("compare_retrieval_grow")
+    module = _example_module("compare_retrieval_grow")
     output = tmp_path / "out"
     argv = ["compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--configs",
             "yarn", "--tasks", "passkey", "--depths", "0.5", "--output-dir", str(output)]  # fmt: skip
@@ -976,7 +976,7 @@ def test_compare_configurations_example_matches_the_library_per_dtype(tiny_check
     from hf_rope_ext.data import read_text, tokenize
     from hf_rope_ext.loading import load_model
 
-    module = _compare_retrieval_module("compare_configurations", "compare_configurations.py")
+    module = _example_module("compare_configurations", "compare_configurations.py")
     text = tmp_path / "doc.txt"
     text.write_text(" ".join(f"Line {i} of a long story about the sea and the ship." for i in range(120)))
     output = tmp_path / "out"
