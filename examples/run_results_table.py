@@ -1,4 +1,4 @@
-"""The README results table: none / linear / ntk / dynamic / yarn / dynamic-yarn / dynamic-yarn-dca on SmolLM2.
+"""The README results table: none / linear / ntk / dynamic / yarn / dynamic-yarn / the default on SmolLM2.
 
 Perplexity of the first L tokens of a long document (one forward per length) at 4k / 8k / 16k /
 32k tokens, perplexity of the positions beyond the native context (8k), and passkey retrieval at
@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_text_files_argument(parser, required=True, help="one long document (over 32k tokens)")
     add_output_dir_argument(parser, help="the reports of hf-rope-ext eval go here")
     add_model_argument(parser)
-    add_option(parser, "--methods", default="none,linear,ntk,dynamic,yarn,dynamic-yarn,dynamic-yarn-dca")
+    add_option(parser, "--methods", default=f"none,linear,ntk,dynamic,yarn,dynamic-yarn,{DEFAULT_METHOD}")
     add_option(parser, "--scales", default="2,4")
     add_option(parser, "--ppl-lengths", type=_ints, default=[4096, 8192, 16384, 32768])
     add_option(parser, "--retrieval-lengths", type=_ints, default=[8192, 16384, 32768])

@@ -52,6 +52,9 @@ __all__ = ["DualChunkRemap", "PositionRemap", "Regime", "SelfExtendRemap", "rema
 # per such block whatever the length.
 KEY_BLOCK = 512
 QUERY_CHUNK = 512
+# On CUDA the fused kernels hold no score matrix, and the cost is the number of kernel launches
+# and host round trips per tile: larger query chunks, and masks built per run of blocks.
+QUERY_CHUNK_CUDA = 4096
 # Set once a fused CUDA kernel refuses a call (see _partial_attention).
 _FUSED_CUDA_FAILED = False
 
@@ -310,6 +313,14 @@ class DualChunkRemap(PositionRemap):
             ),
         ]
 
+    def query_breaks(self, q_lo: int, q_hi: int) -> list[int]:
+        # L0 (remapping starts) and every chunk start beyond it: a query chunk inside one chunk
+        # sees each key block in one regime, but the chunk's own diagonal block
+        s, L0 = self.chunk_size, self.original_length
+        first = max(q_lo + 1, L0)
+        starts = range(-(-first // s) * s, q_hi + 1, s)
+        return [b for b in sorted({L0, *starts}) if q_lo < b <= q_hi]
+
     def max_distance(self, length: int) -> int:
         return min(length - 1, self.chunk_size + self.local_window)
 
@@ -337,8 +348,8 @@ def default_neighbor_window(original_length: int) -> int:
     return max(1, original_length // 2)
 
 
-def self_extend_remap(params: Mapping[str, Any]) -> SelfExtendRemap:
-    """The :class:`SelfExtendRemap` of resolved ``patch_model`` parameters, checked.
+def self_extend_remap(params: Mapping[str, Any], method: str = "self-extend") -> SelfExtendRemap:
+    """The :class:`SelfExtendRemap` of resolved ``patch_model`` parameters, checked (errors name ``method``).
 
     ``neighbor_window`` defaults to :func:`default_neighbor_window`; ``group_size=None`` (the
     default) lets each query take the smallest group that keeps its distances below ``L0``.
@@ -346,25 +357,25 @@ def self_extend_remap(params: Mapping[str, Any]) -> SelfExtendRemap:
     original = int(params["original_max_position_embeddings"])
     target = int(math.ceil(original * params["factor"]))
     window = params.get("neighbor_window")
-    window = default_neighbor_window(original) if window is None else _whole_number(window, "neighbor_window", "self-extend")
+    window = default_neighbor_window(original) if window is None else _whole_number(window, "neighbor_window", method)
     if not 1 <= window < original:
         raise ValueError(
-            f"self-extend: neighbor_window must be between 1 and the original context minus 1 ({original - 1}), "
+            f"{method}: neighbor_window must be between 1 and the original context minus 1 ({original - 1}), "
             f"got {window}; distances up to it keep their trained positions."
         )
     group = params.get("group_size")
     if group is not None:
-        group = _whole_number(group, "group_size", "self-extend")
+        group = _whole_number(group, "group_size", method)
         if group < 2:
-            raise ValueError(f"self-extend: group_size must be at least 2 (1 would not group anything), got {group}.")
+            raise ValueError(f"{method}: group_size must be at least 2 (1 would not group anything), got {group}.")
     far = params.get("far_positions", "grouped")
     if far not in FAR_POSITIONS:
-        raise ValueError(f"self-extend: far_positions must be one of {FAR_POSITIONS}, got {far!r}.")
+        raise ValueError(f"{method}: far_positions must be one of {FAR_POSITIONS}, got {far!r}.")
     remap = SelfExtendRemap(group, window, original, far)
     if remap.max_distance(target) >= original:
         needed = math.ceil((target - window) / (original - window)) + 1
         raise ValueError(
-            f"self-extend: group_size={group} with neighbor_window={window} reaches distance "
+            f"{method}: group_size={group} with neighbor_window={window} reaches distance "
             f"{remap.max_distance(target)} at {target} tokens, beyond the trained {original}; use group_size >= {needed} "
             "or a smaller neighbor_window (or leave group_size unset: each query then takes the smallest that fits)."
         )
@@ -503,10 +514,10 @@ def _partial_attention(
     if output is None:
         output, lse = _explicit_partial_attention(query, key, value, allowed, scaling)
     if allowed is not None:
+        # unconditionally: asking whether any row is empty would wait for the device
         empty = ~allowed.any(dim=-1)  # (B, 1, C)
-        if bool(empty.any()):
-            lse = lse.masked_fill(empty, -math.inf)
-            output = output.masked_fill(empty[..., None], 0.0)
+        lse = lse.masked_fill(empty, -math.inf)
+        output = output.masked_fill(empty[..., None], 0.0)
     return output, lse
 
 
@@ -640,13 +651,15 @@ def remapped_attention(
     inv_freq = inv_freq.to(query.device)
     # Tiles are classified from positions with integer work on the host: on a GPU, reading a
     # device tensor per tile would wait for the device thousands of times per layer.
-    query_host, key_host = query_positions.detach().cpu(), key_positions.detach().cpu()
+    query_host, key_host = query_positions.detach().cpu().contiguous(), key_positions.detach().cpu().contiguous()
     q_lo, q_hi = int(query_host.min()), int(query_host.max())
     k_lo, k_hi = int(key_host.min()), int(key_host.max())
     key_bounds = _block_bounds(key_host, KEY_BLOCK)
     keys_sorted = bool((key_host[:, 1:] >= key_host[:, :-1]).all())
     regimes = (
-        remap.regimes(q_hi, inv_freq) if remap is not None else [Regime("plain", None, None, lambda pq, pk: pk <= pq)]
+        remap.regimes(q_hi, inv_freq)
+        if remap is not None
+        else [Regime("plain", None, None, lambda pq, pk: pk <= pq, lambda q_lo, q_hi, k_lo, k_hi: FULL)]
     )
     # Only the regimes some pair of this call can use: a decode step beyond L0 needs its own
     # group's keys, not every group's (each would re-rotate the whole cache).
@@ -661,7 +674,8 @@ def remapped_attention(
         if regime.key_map_name not in by_map:
             by_map[regime.key_map_name] = _apply_rotation(key, *tables.get(regime, key_positions, inv_freq))
         rotated_keys.append(by_map[regime.key_map_name])
-    chunk = max(1, min(query_len, query_chunk or QUERY_CHUNK))
+    default_chunk = QUERY_CHUNK_CUDA if query.device.type == "cuda" else QUERY_CHUNK
+    chunk = max(1, min(query_len, query_chunk or default_chunk))
     starts = list(range(0, query_len, chunk))
     row = query_host[0]
     if remap is not None and query_len > 1 and bool((row[1:] >= row[:-1]).all()):
@@ -735,8 +749,14 @@ def _add_regime(
     tiles: _Tiles,
     scaling: float,
 ) -> None:
-    """Add one regime's keys, block by block, skipping blocks it does not select."""
+    """Add one regime's keys, block by block, skipping blocks it does not select.
+
+    On the CPU each block the positions leave undecided gets its mask, and a mask that turns out
+    all true or all false makes the block full or skipped (unmasked tiles run faster). On CUDA
+    that check would wait for the device once per block: undecided blocks keep one mask per run.
+    """
     q_lo, q_hi, last_key = tiles.q_lo, tiles.q_hi, tiles.last_key
+    refine = _refines_masks(query.device)
     statuses, masks = [], []
     for block_start, block_end, k_lo, k_hi in tiles.blocks():
         status = _status(k_hi <= q_lo, k_lo > q_hi)  # causal
@@ -744,14 +764,12 @@ def _add_regime(
             status = _both(status, regime.classify(q_lo, q_hi, k_lo, k_hi))
         else:
             status = _both(status, PARTIAL)
+        if not refine:
+            statuses.append(PARTIAL if status == FULL and base is not None else status)
+            continue
         mask = None
         if status != SKIP and (status == PARTIAL or base is not None):
-            block_pk = pk[:, block_start:block_end]
-            mask = regime.select(pq[:, :, None], block_pk[:, None, :])[:, None]  # (B, 1, C, K)
-            if base is None:
-                mask = mask & (block_pk[:, None, None, :] <= pq[:, None, :, None])
-            else:
-                mask = mask & base[..., block_start:block_end]
+            mask = _regime_mask(regime, pq, pk[:, block_start:block_end], None if base is None else base[..., block_start:block_end])
             status = _status(bool(mask.all()), not bool(mask.any()))
             if status != PARTIAL:
                 mask = None
@@ -761,9 +779,28 @@ def _add_regime(
         if status == SKIP:
             continue
         lo, hi = first * KEY_BLOCK, min(last_key, stop * KEY_BLOCK)
-        mask = None if status == FULL else torch.cat(masks[first:stop], dim=-1)
+        if status == FULL:
+            mask = None
+        elif refine:
+            mask = torch.cat(masks[first:stop], dim=-1)
+        else:
+            mask = _regime_mask(regime, pq, pk[:, lo:hi], None if base is None else base[..., lo:hi])
         output, lse = _partial_attention(query, key[:, :, lo:hi], value[:, :, lo:hi], mask, scaling)
         accumulator.add(output, lse)
+
+
+def _refines_masks(device: torch.device) -> bool:
+    """Whether undecided blocks are checked one by one (see :func:`_add_regime`)."""
+    return device.type != "cuda"
+
+
+def _regime_mask(regime: Regime, pq: torch.Tensor, pk: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
+    """``(B, 1, C, K)`` bool: the pairs of queries ``pq`` (B, C) and keys ``pk`` (B, K) that ``regime``
+    selects and the causal/padding structure (``base``, or causality from positions) allows."""
+    mask = regime.select(pq[:, :, None], pk[:, None, :])[:, None]
+    if base is None:
+        return mask & (pk[:, None, None, :] <= pq[:, None, :, None])
+    return mask & base
 
 
 # ----------------------------------------------------------------------------------------------
@@ -791,10 +828,22 @@ class AttentionPatch:
     original_length: int
     logn: bool
     # Whether the remap is on in the current forward (None: always); a length-dependent method
-    # with a settle length remaps only sequences longer than it.
+    # with a settle length remaps only sequences longer than it, and shorter ones with
+    # remap_below_settle (rotating with inv_freq_below_settle), if it has one.
     remap_applies: Callable[[], bool] | None = None
+    remap_below_settle: PositionRemap | None = None
+    inv_freq_below_settle: torch.Tensor | None = None
     geometry: dict[tuple[int, int], _Geometry] = field(default_factory=dict)
     key_rotations: KeyRotationTables = field(default_factory=KeyRotationTables)
+    key_rotations_below_settle: KeyRotationTables = field(default_factory=KeyRotationTables)
+
+    def _current_remap(self) -> tuple[PositionRemap | None, torch.Tensor, KeyRotationTables]:
+        """The remap of the current forward, the frequencies it rotates with, and its key tables."""
+        if self.remap_applies is None or self.remap_applies():
+            return self.remap, self.inv_freq, self.key_rotations
+        if self.remap_below_settle is None:
+            return None, self.inv_freq, self.key_rotations
+        return self.remap_below_settle, self.inv_freq_below_settle, self.key_rotations_below_settle
 
     def attention(self, module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """The attention function registered for this model (transformers' signature)."""
@@ -806,7 +855,7 @@ class AttentionPatch:
             first = geometry.query_offset if geometry is not None else key_len - query_len
             position_ids = torch.arange(first, first + query_len, device=query.device)[None]
         position_ids = position_ids.to(query.device)
-        remap = self.remap if self.remap_applies is None or self.remap_applies() else None
+        remap, inv_freq, key_rotations = self._current_remap()
         if int(position_ids.max()) < self.original_length or (remap is None and not self.logn):
             # Inside the native context every method is plain attention: the model's own kernel.
             return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -828,10 +877,10 @@ class AttentionPatch:
             key_positions=key_positions,
             allowed=allowed,
             remap=remap,
-            inv_freq=self.inv_freq,
+            inv_freq=inv_freq,
             scaling=scaling,
             logn_length=self.original_length if self.logn else None,
-            key_rotations=self.key_rotations,
+            key_rotations=key_rotations,
         )
         return output, None
 
@@ -921,11 +970,14 @@ def install(
     original_length: int,
     logn: bool,
     remap_applies: Callable[[], bool] | None = None,
+    remap_below_settle: PositionRemap | None = None,
+    inv_freq_below_settle: torch.Tensor | None = None,
 ) -> AttentionPatch:
     """Route this model's attention through :meth:`AttentionPatch.attention`; see the module docstring.
 
     ``inv_freq`` are the frequencies the queries and keys are rotated with whenever the remap
-    applies (``remap_applies()``, default always)."""
+    applies (``remap_applies()``, default always); otherwise ``remap_below_settle`` (if given)
+    applies, with ``inv_freq_below_settle``."""
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
@@ -944,6 +996,8 @@ def install(
         original_length=original_length,
         logn=logn,
         remap_applies=remap_applies,
+        remap_below_settle=remap_below_settle,
+        inv_freq_below_settle=None if inv_freq_below_settle is None else inv_freq_below_settle.detach().to(torch.float64).cpu(),
     )
     # Global entries keyed by a name unique to this model: masking_utils reads only the class-wide
     # mapping of mask functions.
@@ -965,3 +1019,4 @@ def uninstall(patch: AttentionPatch) -> None:
     AttentionMaskInterface._global_mapping.pop(patch.name, None)
     patch.geometry.clear()
     patch.key_rotations.clear()
+    patch.key_rotations_below_settle.clear()

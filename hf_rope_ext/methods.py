@@ -99,6 +99,11 @@ class RopeMethod:
             to the length beyond which its frequencies stop changing; if it is also
             attention-level, its position remap applies only to sequences longer than that
             (shorter ones get the frequencies alone). ``None``: the frequencies follow every length.
+        attention_below_settle: for a method with a settle length, the position remap of
+            sequences between the original context and the settle length (a function of the
+            resolved parameters, like ``attention``). Such a method keeps the trained
+            frequencies up to the settle length (checked when patching), so everything up to it
+            is one state: a KV cache filled there is never recomputed before the settle length.
     """
 
     name: str
@@ -112,6 +117,7 @@ class RopeMethod:
     rope_parameters: RopeParametersFn | None = None
     runtimes: Mapping[str, Callable[..., Any] | str] = field(default_factory=dict)
     settle_length: Callable[[Mapping[str, Any]], int] | None = None
+    attention_below_settle: Callable[[Mapping[str, Any]], Any] | None = None
 
     def translator(self, runtime: str) -> Callable[..., Any] | None:
         """The method's translator for ``runtime`` (see ``runtimes``), or None if it declares none."""
@@ -305,6 +311,41 @@ def dynamic_yarn_dca_inv_freq(rotary_dim: int, base: float, params: Mapping[str,
 
 def _dynamic_yarn_dca_settle_length(params: Mapping[str, Any]) -> int:
     return math.ceil(params["frequencies_scale"] * params["original_max_position_embeddings"])
+
+
+def self_extend_dca_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """Self-Extend on the trained frequencies up to ``s_f L0`` tokens, then YaRN x ``s_f`` under Dual Chunk Attention.
+
+    Up to ``s_f L0`` tokens (``frequencies_scale``, default 2) the frequencies are the trained
+    ones, ``theta'_i = theta_i``, and sequences longer than ``L0`` get Self-Extend (Jin et al.
+    2024, arXiv 2401.01325) with YaRN's NTK-by-parts split of the far positions
+    (``far_positions="by-parts"``; ``neighbor_window`` default ``L0 / 4``, a group size per
+    query; see ``self-extend``). Beyond ``s_f L0`` they are YaRN's at scale ``s_f`` (arXiv
+    2309.00071; temperature ``sqrt(1/t) = 0.1 ln s_f + 1``) under Dual Chunk Attention (An et
+    al. 2024, arXiv 2402.17463; ``chunk_size``, ``local_window``), exactly as
+    ``dynamic-yarn-dca`` there. So the model is the original one inside ``L0``; between ``L0``
+    and ``s_f L0`` every trained rotation is kept and only far distances are compressed, where
+    ``dynamic-yarn`` would stretch every long wavelength; beyond, the chunked positions that
+    carry retrieval to 8x.
+    """
+    if _effective_length(params, seq_len) <= _dynamic_yarn_dca_settle_length(params):
+        return default_inv_freq(rotary_dim, base), 1.0
+    return _yarn_at(rotary_dim, base, float(params["frequencies_scale"]), params)
+
+
+def _self_extend_below_settle(params: Mapping[str, Any]):
+    """The Self-Extend remap of ``self-extend-dca`` below its settle length (whose length is the target)."""
+    original = params["original_max_position_embeddings"]
+    window = params.get("neighbor_window")
+    inner = {
+        "original_max_position_embeddings": original,
+        "factor": _dynamic_yarn_dca_settle_length(params) / original,
+        # L0 / 4: with by-parts far positions it beats L0 / 2 on retrieval at 2x (README)
+        "neighbor_window": max(1, original // 4) if window is None else window,
+        "group_size": None,
+        "far_positions": "by-parts",
+    }
+    return _attention().self_extend_remap(inner, method="self-extend-dca")
 
 
 def _check_dynamic_yarn_dca(rotary_dim: int, params: Mapping[str, Any]) -> None:
@@ -882,6 +923,20 @@ for _method in (
         attention=lambda params: _attention().dual_chunk_remap(params),
         settle_length=_dynamic_yarn_dca_settle_length,
         runtimes=_builtin_runtimes("dynamic-yarn-dca"),
+    ),
+    RopeMethod(
+        "self-extend-dca",
+        self_extend_dca_inv_freq,
+        defaults={**_YARN_DEFAULTS, "frequencies_scale": 2.0, "neighbor_window": None, "chunk_size": None,
+                  "local_window": None},
+        length_dependent=True,
+        validate=_check_dynamic_yarn_dca,  # the remaps check their own parameters when patching
+        summary="self-extend (by-parts far positions) on the trained frequencies up to frequencies_scale x L0 "
+                "(default 2), then yarn at that scale under Dual Chunk Attention.",
+        attention=lambda params: _attention().dual_chunk_remap(params),
+        attention_below_settle=_self_extend_below_settle,
+        settle_length=_dynamic_yarn_dca_settle_length,
+        runtimes=_builtin_runtimes("self-extend-dca"),
     ),
 ):
     _register_builtin(_method)

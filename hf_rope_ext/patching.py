@@ -55,8 +55,9 @@ __all__ = [
 ]
 
 # Measured best across 4k-64k on SmolLM2 (README, "Results: attention-level methods"): the
-# unpatched model inside L0, YaRN up to 2x, dual chunk attention on YaRN x2 beyond.
-DEFAULT_METHOD = "dynamic-yarn-dca"
+# unpatched model inside L0, Self-Extend on the trained frequencies up to 2x, dual chunk
+# attention on YaRN x2 beyond.
+DEFAULT_METHOD = "self-extend-dca"
 # Not a registered method: patch_model measures candidates and applies the best (hf_rope_ext.auto).
 AUTO_METHOD = "auto"
 
@@ -193,7 +194,7 @@ def patch_model(
             extended context is a whole number of tokens (:func:`whole_token_scale`). Or give
             ``max_length``.
         method: a registered method (see :func:`hf_rope_ext.list_methods`); default
-            ``"dynamic-yarn-dca"`` (needs attn_implementation sdpa, eager or flash attention).
+            ``"self-extend-dca"`` (needs attn_implementation sdpa, eager or flash attention).
         max_length: target context in tokens; ``scale = max_length / original context``.
         original_max_length: the context the model was trained on; defaults to
             ``config.max_position_embeddings``.
@@ -320,6 +321,8 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec) -> None:
     resolved = spec.resolved_params()
     original_length = spec.original_max_position_embeddings
     remap = rope_method.attention(resolved) if rope_method.attention is not None else None
+    below = rope_method.attention_below_settle
+    remap_below_settle = below(resolved) if below is not None and rope_method.settle_length is not None else None
 
     rotary = ExtendedRotaryEmbedding(original, rope_method, resolved, rotary_dim, base, spec.steps_per_doubling)
     extended = spec.extended_context
@@ -358,6 +361,8 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec) -> None:
             rotary.attention_patch = attention_level.install(
                 config, remap, remap_freq, original_length, spec.logn_attention,
                 remap_applies=None if settled is None else rotary.remap_applies,
+                remap_below_settle=remap_below_settle,
+                inv_freq_below_settle=None if remap_below_settle is None else rotary.frequencies(settled)[0],
             )
     except Exception:
         if rotary.cache_guard is not None:

@@ -159,6 +159,9 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.attention_patch = None  # set by patch_model for attention-level methods and log-n attention
         settle = method.settle_length
         self.settle_length: int | None = int(settle(params)) if settle is not None and method.length_dependent else None
+        # A method with a remap below its settle length keeps the trained frequencies up to it
+        # (checked below): one state from 0 to the settle length.
+        self.one_state_below_settle = self.settle_length is not None and method.attention_below_settle is not None
         # Length whose frequencies the last forward used (length-dependent methods): it says
         # whether a settle-length method's remap is on in that forward's attention.
         self.current_length: int | None = None
@@ -171,6 +174,13 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.original_inside_context = (
             torch.equal(initial.inv_freq_f64, default_inv_freq(rotary_dim, base)) and initial.attention_factor == 1.0
         )
+        if self.one_state_below_settle:
+            below = checked_frequencies(method, rotary_dim, base, params, self.settle_length)
+            if not (self.original_inside_context and torch.equal(below[0], initial.inv_freq_f64) and below[1] == 1.0):
+                raise ValueError(
+                    f"RoPE method {method.name!r} has a position remap below its settle length ({self.settle_length}) "
+                    "but changes the frequencies there; such a method must keep the trained frequencies up to it."
+                )
         inv_freq, exact = initial.tensors(original.inv_freq.device)
         # Buffers, so that torch.compile and device moves see them; `_apply` keeps their dtypes.
         self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
@@ -194,12 +204,14 @@ class ExtendedRotaryEmbedding(nn.Module):
         length = effective_length(seq_len, self.original_max_seq_len, self.steps_per_doubling, self.method.length_dependent)
         if length is not None and self.settle_length is not None and length > self.settle_length:
             return self.settle_length + 1
+        if self.one_state_below_settle:
+            return None  # the trained frequencies serve every length up to the settle length
         return length
 
     def covered_length(self, effective: int | None) -> float:
         """How many tokens the frequencies of the effective length ``effective`` serve unchanged."""
         if effective is None:
-            return self.original_max_seq_len
+            return self.settle_length if self.one_state_below_settle else self.original_max_seq_len
         if self.settle_length is not None and effective > self.settle_length:
             return math.inf
         return effective

@@ -451,9 +451,10 @@ def vllm_longrope(patch: PatchSpec, model_type: str | None = None) -> RuntimeCom
 def _dca_stand_in_note(patch: PatchSpec) -> str:
     """How static yarn at the patch's scale differs from a ``dynamic-yarn-dca`` patch."""
     settle = patch.rope_method.settle_length(patch.resolved_params())
+    below = "self-extend on the trained frequencies" if patch.method == "self-extend-dca" else "dynamic yarn"
     return (
         f"No runtime has dual chunk attention for this architecture. Closest: static yarn at scale {patch.scale:g}; "
-        f"the patch is the original model up to {patch.original_max_position_embeddings} tokens, dynamic yarn up to "
+        f"the patch is the original model up to {patch.original_max_position_embeddings} tokens, {below} up to "
         f"{settle}, and beyond that yarn x{patch.params['frequencies_scale']:g} with dual chunk attention."
     )
 
@@ -588,6 +589,10 @@ def llama_cpp_dynamic_yarn(patch: PatchSpec, model_type: str | None = None) -> R
 
 def llama_cpp_dynamic_yarn_dca(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:
     return _llama_cpp_yarn(patch, model_type, "approximate", [_dca_stand_in_note(patch)])
+
+
+vllm_self_extend_dca = vllm_dynamic_yarn_dca
+llama_cpp_self_extend_dca = llama_cpp_dynamic_yarn_dca
 
 
 def llama_cpp_dynamic(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:

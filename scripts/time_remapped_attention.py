@@ -2,11 +2,12 @@
 
 Random queries/keys/values shaped like a SmolLM2 layer (9 query heads on 3 key heads, head size
 64, L0 8192), the method's default parameters for the given scale; prints the best of
-`--repeats` calls and a checksum of the output, so two versions of the code can be compared on
-the same inputs (run it with PYTHONPATH pointing at each checkout, alternately):
+`--repeats` calls, its ratio to one causal `scaled_dot_product_attention` call on the same
+tensors (what yarn's layer runs), and a checksum of the output, so two versions of the code can be
+compared on the same inputs (run it with PYTHONPATH pointing at each checkout, alternately):
 
     PYTHONPATH=/path/to/old/checkout python scripts/time_remapped_attention.py self-extend
-    PYTHONPATH=. python scripts/time_remapped_attention.py self-extend
+    PYTHONPATH=. python scripts/time_remapped_attention.py self-extend --device cuda --dtype bf16
 """
 
 from __future__ import annotations
@@ -18,34 +19,58 @@ import torch
 
 from hf_rope_ext import attention
 
+METHODS = ("self-extend", "self-extend-by-parts", "dual-chunk")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def best_time(run, repeats: int, device: torch.device) -> tuple[float, torch.Tensor]:
+    best, output = float("inf"), None
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        output = run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best, output
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("method", choices=("self-extend", "dual-chunk"))
+    parser.add_argument("method", choices=METHODS)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     args = parser.parse_args()
     original = 8192
     if args.tokens <= original or args.repeats < 1:
         parser.error(f"--tokens must exceed the original context {original} and --repeats be >= 1")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU visible")
     params = {"original_max_position_embeddings": original, "factor": args.tokens / original}
-    remap = (attention.self_extend_remap if args.method == "self-extend" else attention.dual_chunk_remap)(params)
+    if args.method == "self-extend-by-parts":
+        params.update(neighbor_window=original // 4, far_positions="by-parts")
+    make = attention.dual_chunk_remap if args.method == "dual-chunk" else attention.self_extend_remap
+    remap = make(params)
     torch.manual_seed(0)
-    query = torch.randn(1, 9, args.tokens, 64)
-    key, value = torch.randn(1, 3, args.tokens, 64), torch.randn(1, 3, args.tokens, 64)
-    positions = torch.arange(args.tokens)[None]
+    dtype = DTYPES[args.dtype]
+    query = torch.randn(1, 9, args.tokens, 64).to(device, dtype)
+    key, value = (torch.randn(1, 3, args.tokens, 64).to(device, dtype) for _ in range(2))
+    positions = torch.arange(args.tokens, device=device)[None]
     inv_freq = 1.0 / 1e5 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
-    best = float("inf")
     with torch.no_grad():
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            output = attention.remapped_attention(
-                query, key, value, query_positions=positions, key_positions=positions, allowed=lambda a, b: None,
-                remap=remap, inv_freq=inv_freq, scaling=0.125,
-            )
-            best = min(best, time.perf_counter() - start)
-    print(f"{args.method} {args.tokens} tokens: best of {args.repeats} {best:.2f} s, "
-          f"checksum {float(output.double().abs().sum()):.6f}")
+        remapped, output = best_time(lambda: attention.remapped_attention(
+            query, key, value, query_positions=positions, key_positions=positions, allowed=lambda a, b: None,
+            remap=remap, inv_freq=inv_freq, scaling=0.125,
+        ), args.repeats, device)
+        plain, _ = best_time(lambda: torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=0.125, enable_gqa=True,
+        ), args.repeats, device)
+    print(f"{args.method} {args.tokens} tokens {args.dtype} on {args.device}: best of {args.repeats} {remapped:.4f} s, "
+          f"causal sdpa {plain:.4f} s ({remapped / plain:.2f}x), checksum {float(output.double().abs().sum()):.6f}")
 
 
 if __name__ == "__main__":

@@ -353,7 +353,9 @@ def _generation_matches_full_forward(model, ids, attention_mask=None, **kwargs):
     torch.testing.assert_close(generated, full[:, ids.shape[1] - 1 : -1], atol=5e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk", "yarn+logn", "dynamic-yarn-dca"])
+@pytest.mark.parametrize(
+    "method", ["self-extend", "self-extend by-parts", "dual-chunk", "yarn+logn", "dynamic-yarn-dca", "self-extend-dca"]
+)
 def test_generation_with_cache_equals_full_forward(family, method):
     model = make_model(family, attn_implementation="sdpa")
     params = {
@@ -361,6 +363,7 @@ def test_generation_with_cache_equals_full_forward(family, method):
         "self-extend by-parts": {"neighbor_window": 8, "far_positions": "by-parts"},
         "dual-chunk": {"chunk_size": 20, "local_window": 4},
         "dynamic-yarn-dca": {"chunk_size": 20, "local_window": 4},
+        "self-extend-dca": {"chunk_size": 20, "local_window": 4},
     }.get(method, {})
     patch_model(model, scale=4, method=method.split()[0], **params)
     _generation_matches_full_forward(model, random_ids(20))
@@ -386,7 +389,7 @@ def test_inside_the_original_context_outputs_are_the_unpatched_model_bitwise(fam
     assert torch.equal(before, during)
 
 
-@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "ntk+logn", "dynamic-yarn-dca"])
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "ntk+logn", "dynamic-yarn-dca", "self-extend-dca"])
 def test_unpatch_restores_everything_bitwise(method):
     model = make_model("llama", attn_implementation="sdpa")
     ids = random_ids(LENGTH)
@@ -455,6 +458,55 @@ def test_query_chunks_are_cut_where_the_group_size_changes(window, group):
         assert len(expected) > 2
         middle = expected[2]
         assert remap.query_breaks(middle - 1, middle) == [middle] and remap.query_breaks(middle, middle + 5) == []
+
+
+def test_dual_chunk_query_chunks_are_cut_at_chunk_starts():
+    """The cuts are L0 (where the remap starts) and each position from L0 on whose chunk index differs
+    from the previous position's (brute force over the paper's chunk index)."""
+    remap = attention_level.DualChunkRemap(20, 4, L0)
+    last = 5 * L0
+    expected = [L0] + [i for i in range(L0 + 1, last + 1) if i // 20 != (i - 1) // 20]
+    assert remap.query_breaks(0, last) == expected
+    assert remap.query_breaks(L0, last) == expected[1:]
+    assert remap.query_breaks(0, L0 - 1) == [] and remap.query_breaks(41, 59) == []
+
+
+@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk", "logn only"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_masks_built_per_run_give_the_per_block_result(method, padded, monkeypatch):
+    """On CUDA undecided key blocks are not checked one by one (that would wait for the device per
+    block): one mask per run of blocks. Forced here on the CPU, with and without a padding mask, it
+    gives the per-block result."""
+    torch.manual_seed(0)
+    length = 90
+    query, key, value = torch.randn(2, 4, length, 16), torch.randn(2, 2, length, 16), torch.randn(2, 2, length, 16)
+    positions = torch.arange(length)[None]
+    remap = {
+        "self-extend": attention_level.SelfExtendRemap(3, 8, L0),
+        "self-extend by-parts": attention_level.SelfExtendRemap(None, 8, L0, "by-parts"),
+        "dual-chunk": attention_level.DualChunkRemap(20, 4, L0),
+        "logn only": None,
+    }[method]
+    padding = torch.ones(2, length, dtype=torch.bool)
+    if padded:
+        padding[1, :7] = False  # left padding on the second row
+    causal = positions[0][None, :] <= positions[0][:, None]
+
+    def allowed(start, end):
+        return (causal[None, None, start:end] & padding[:, None, None, :]) if padded else None
+
+    theta = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    common = dict(query_positions=positions, key_positions=positions, allowed=allowed, remap=remap, inv_freq=theta,
+                  scaling=0.25, logn_length=L0 if remap is None else None)
+    monkeypatch.setattr(attention_level, "KEY_BLOCK", 7)
+    per_block = attention_level.remapped_attention(query, key, value, query_chunk=11, **common)
+    calls = []
+    original = attention_level._partial_attention
+    monkeypatch.setattr(attention_level, "_partial_attention", lambda *a: calls.append(a[3] is not None) or original(*a))
+    monkeypatch.setattr(attention_level, "_refines_masks", lambda device: False)
+    per_run = attention_level.remapped_attention(query, key, value, query_chunk=11, **common)
+    torch.testing.assert_close(per_run, per_block, atol=1e-5, rtol=1e-5)
+    assert True in calls and (padded or False in calls)  # masked runs, and unmasked ones where positions decide
 
 
 def test_cut_query_chunks_give_the_unchunked_result():
@@ -545,15 +597,17 @@ def test_position_ids_with_a_gap_are_honoured():
 
 
 @pytest.mark.slow
-def test_real_model_at_12k_self_extend_beats_yarn_beyond_8k():
+def test_real_model_at_12k_the_default_beats_yarn_beyond_8k():
     """SmolLM2-135M (native 8192): one 12,288-token forward of a novel, unpatched, with yarn x2 and with
-    self-extend x2 (neighbour window 2048). Measured here: beyond 8k 46.69 unpatched, 33.84 yarn, 32.86
-    self-extend; inside 8k self-extend is the unpatched model."""
+    the default (``self-extend-dca``; at 12k Self-Extend by-parts, window 2048, on the trained
+    frequencies), scale 2. Inside 8k the default is the unpatched model; beyond, the unpatched model
+    degrades and the default reads better than yarn (numbers in README, "Results")."""
     from pathlib import Path
 
     from hf_rope_ext.data import read_text, tokenize
     from hf_rope_ext.evaluation.perplexity import bucket_perplexity
     from hf_rope_ext.loading import load_model
+    from hf_rope_ext.patching import DEFAULT_METHOD
 
     book = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pg84.txt"
     if not book.is_file():
@@ -576,11 +630,11 @@ def test_real_model_at_12k_self_extend_beats_yarn_beyond_8k():
                 unpatch_model(model)
         return [math.exp(total / count) for total, count in zip(result.nll_sums, result.token_counts)]
 
-    unpatched, yarn, extended = ppl_by_range(), ppl_by_range("yarn"), ppl_by_range("self-extend", neighbor_window=2048)
-    print(f"\nppl 0-4k / 4k-8k / 8k-12k: unpatched {unpatched}, yarn x2 {yarn}, self-extend x2 {extended}")
-    assert extended[:2] == pytest.approx(unpatched[:2], rel=1e-4)  # inside the native context: the same model
-    assert unpatched[2] > 1.25 * extended[2]  # the unpatched model degrades beyond 8192 ...
-    assert extended[2] < yarn[2]  # ... and self-extend reads beyond it better than yarn
+    unpatched, yarn, default = ppl_by_range(), ppl_by_range("yarn"), ppl_by_range(DEFAULT_METHOD)
+    print(f"\nppl 0-4k / 4k-8k / 8k-12k: unpatched {unpatched}, yarn x2 {yarn}, {DEFAULT_METHOD} x2 {default}")
+    assert default[:2] == pytest.approx(unpatched[:2], rel=1e-4)  # inside the native context: the same model
+    assert unpatched[2] > 1.25 * default[2]  # the unpatched model degrades beyond 8192 ...
+    assert default[2] < yarn[2]  # ... and the default reads beyond it better than yarn
 
 
 def test_gradients_match_the_reference():
@@ -613,7 +667,8 @@ def test_gradients_match_the_reference():
 
 
 @pytest.mark.parametrize(
-    "method", ["self-extend", "self-extend by-parts", "dual-chunk", "dual-chunk yarn x2", "yarn+logn", "dynamic-yarn-dca"]
+    "method",
+    ["self-extend", "self-extend by-parts", "dual-chunk", "dual-chunk yarn x2", "yarn+logn", "dynamic-yarn-dca", "self-extend-dca"],
 )
 def test_saved_checkpoint_loads_back_into_the_same_patch(method, tmp_path):
     from hf_rope_ext.hub import load_patched, save_patched
@@ -621,7 +676,8 @@ def test_saved_checkpoint_loads_back_into_the_same_patch(method, tmp_path):
     model = make_model("llama", attn_implementation="sdpa")
     params = {"self-extend by-parts": {"far_positions": "by-parts", "neighbor_window": 8},
               "dual-chunk yarn x2": {"frequencies": "yarn", "frequencies_scale": 2.0},
-              "dynamic-yarn-dca": {"frequencies_scale": 1.5, "chunk_size": 20, "local_window": 4}}.get(method, {})  # fmt: skip
+              "dynamic-yarn-dca": {"frequencies_scale": 1.5, "chunk_size": 20, "local_window": 4},
+              "self-extend-dca": {"frequencies_scale": 2.5, "neighbor_window": 6}}.get(method, {})  # fmt: skip
     method = method.split()[0]
     patch_model(model, scale=4, method=method, **params)
     ids = random_ids(LENGTH)
@@ -636,7 +692,7 @@ def test_saved_checkpoint_loads_back_into_the_same_patch(method, tmp_path):
         assert torch.equal(loaded(ids).logits, expected)
 
 
-@pytest.mark.parametrize("method", ["dual-chunk", "dynamic-yarn-dca"])
+@pytest.mark.parametrize("method", ["dual-chunk", "dynamic-yarn-dca", "self-extend-dca"])
 def test_plain_from_pretrained_of_an_attention_level_checkpoint_warns(method, tmp_path, caplog):
     """from_pretrained rebuilds only the frequencies of an attention-level patch: it says so, naming
     load_patched; load_patched itself restores the attention and does not warn."""
@@ -789,6 +845,62 @@ def test_dynamic_yarn_dca_matches_references(family):
     with torch.no_grad():
         plain_x2 = twin_long(ids).logits
     assert (plain_x2[:, 2 * L0 :] - expected_long[:, 2 * L0 :]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_self_extend_dca_matches_references(family):
+    """Inside L0 the unpatched model bitwise; up to 2 x L0 the trained frequencies with the naive
+    Self-Extend by-parts positions (window L0 / 4, a group per query); beyond, transformers' yarn x2
+    with the naive dual chunk positions of the paper."""
+    model = make_model(family, attn_implementation="sdpa")
+    ids = random_ids(LENGTH)
+    head_dim = model.model.layers[0].self_attn.head_dim
+    theta = 1.0 / model.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    with torch.no_grad():
+        unpatched = model(ids[:, :L0]).logits
+    middle = 2 * L0  # the settle length: still the first state
+    expected_middle = reference_logits(model, ids[:, :middle], lambda i, j: self_extend_by_parts_positions(i, j, None, L0 // 4, theta))
+    plain_middle = reference_logits(model, ids[:, :middle], lambda i, j: (i, j))
+    twin_long, inv_freq = _yarn_twin(model, 2.0)
+    expected_long = reference_logits_at(twin_long, ids, None, lambda i, j: dual_chunk_positions(i, j, 20, 4), theta=inv_freq)
+    patch_model(model, scale=4, method="self-extend-dca", chunk_size=20, local_window=4)
+    with torch.no_grad():
+        assert torch.equal(model(ids[:, :L0]).logits, unpatched)
+        actual_middle = model(ids[:, :middle]).logits
+        torch.testing.assert_close(actual_middle, expected_middle, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(model(ids).logits, expected_long, atol=5e-5, rtol=1e-4)
+    # the remap is really on below the settle length
+    assert (actual_middle[:, L0:] - plain_middle[:, L0:]).abs().max() > 1e-2
+
+
+def test_self_extend_dca_equals_its_parts_bitwise():
+    """Between L0 and 2 x L0 self-extend-dca computes what ``self-extend`` (by-parts, W = L0 / 4) at scale 2
+    computes, and beyond 2 x L0 what the ``dynamic-yarn-dca`` default computes, to the last bit: the
+    measurements of those configurations on a real model hold for it."""
+    model = make_model("llama", attn_implementation="sdpa")
+    for length, twin in ((2 * L0, dict(scale=2, method="self-extend", neighbor_window=L0 // 4, far_positions="by-parts")),
+                         (LENGTH, dict(scale=4, method="dynamic-yarn-dca"))):
+        ids = random_ids(length)
+        patch_model(model, **twin)
+        with torch.no_grad():
+            expected = model(ids).logits
+        patch_model(model, scale=4, method="self-extend-dca")
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, expected), length
+        unpatch_model(model)
+
+
+def test_self_extend_dca_bad_parameters_are_refused():
+    model = make_model("llama", attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="self-extend-dca: neighbor_window must be between 1 and"):
+        patch_model(model, scale=4, method="self-extend-dca", neighbor_window=L0)
+    with pytest.raises(TypeError, match="self-extend-dca: neighbor_window must be a whole number"):
+        patch_model(model, scale=4, method="self-extend-dca", neighbor_window=2.5)
+    with pytest.raises(ValueError, match="frequencies_scale must be a number above 1"):
+        patch_model(model, scale=4, method="self-extend-dca", frequencies_scale=1)
+    with pytest.raises(ValueError, match="chunk_size \\+ local_window <"):
+        patch_model(model, scale=4, method="self-extend-dca", chunk_size=30, local_window=4)
+    assert get_patch_info(model) is None and model.config._attn_implementation == "sdpa"
 
 
 def test_dynamic_yarn_dca_bad_parameters_are_refused():

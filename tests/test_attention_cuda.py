@@ -72,10 +72,38 @@ def test_patched_model_on_cuda_matches_naive_reference(case):
     torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "dynamic-yarn-dca"])
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "dynamic-yarn-dca", "self-extend-dca"])
 def test_generation_with_cache_equals_full_forward_on_cuda(method):
     model = make_model("llama", attn_implementation="sdpa").cuda()
     params = {"self-extend": {"neighbor_window": 8}}.get(method, {"chunk_size": 20, "local_window": 4})
     patch_model(model, scale=4, method=method, **params)
     _generation_matches_full_forward(model, random_ids(20).cuda())
     assert not attention_level._FUSED_CUDA_FAILED, "a fused CUDA kernel refused the call"
+
+
+def test_left_padded_generation_on_cuda():
+    """A padding mask makes every key block undecided by positions: the per-run masks on CUDA."""
+    model = make_model("llama", attn_implementation="sdpa").cuda()
+    patch_model(model, scale=4, method="self-extend", neighbor_window=8, far_positions="by-parts")
+    ids = random_ids(20, batch=2).cuda()
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 0, 0
+    _generation_matches_full_forward(model, ids, attention_mask=mask)
+    assert not attention_level._FUSED_CUDA_FAILED, "a fused CUDA kernel refused the call"
+
+
+def test_self_extend_dca_below_its_settle_length_matches_reference_on_cuda():
+    """Between L0 and 2 x L0 the default is Self-Extend by-parts (window L0 / 4) on the trained frequencies."""
+    from test_attention import L0, self_extend_by_parts_positions
+
+    ids = random_ids(2 * L0)
+    host = make_model("llama", attn_implementation="sdpa")
+    head_dim = host.model.layers[0].self_attn.head_dim
+    theta = 1.0 / host.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    expected = reference_logits(host, ids, lambda i, j: self_extend_by_parts_positions(i, j, None, L0 // 4, theta))
+    model = make_model("llama", attn_implementation="sdpa").cuda()
+    patch_model(model, scale=4, method="self-extend-dca")
+    with torch.no_grad():
+        actual = model(ids.cuda()).logits
+    assert not attention_level._FUSED_CUDA_FAILED, "a fused CUDA kernel refused the call"
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)

@@ -81,7 +81,7 @@ STATIC = ["linear", "ntk", "yarn", "llama3"]
 DYNAMIC = ["dynamic", "dynamic-yarn", "dynamic-linear", "longrope", "dynamic-yarn-dca"]
 
 
-@pytest.mark.parametrize("method", STATIC + DYNAMIC)
+@pytest.mark.parametrize("method", STATIC + DYNAMIC + ["self-extend-dca"])
 def test_generation_matches_full_forward(method):
     model = make_model("llama")
     patch_model(model, scale=4, method=method, **_extra(method))
@@ -132,6 +132,23 @@ def test_unplanned_generation_past_the_settle_length_matches_full_forward(steps_
     assert crossing >= 1  # the frequencies did change on the way to 2 x L0
     assert generation_vs_full_forward(model, random_ids(2 * L0 + 5), new_tokens=L0, planned=False) < TOLERANCE
     assert recomputations(model) == crossing  # settled: nothing recomputed beyond 2 x L0
+
+
+def test_self_extend_dca_keeps_its_cache_up_to_the_settle_length():
+    """self-extend-dca is one state from 0 to 2 x L0 (trained frequencies; Self-Extend is plain
+    attention for queries inside L0): a decode loop without a plan that starts inside L0 recomputes
+    its cache once, at 2 x L0 where yarn x2 and dual chunk attention take over, never at L0, and
+    every step equals a full forward over the same tokens."""
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method="self-extend-dca", chunk_size=20, local_window=4)
+    assert generation_vs_full_forward(model, random_ids(L0 - 4), new_tokens=L0 + 4, planned=False) < TOLERANCE
+    assert recomputations(model) == 0  # crossed L0, stayed below 2 x L0: nothing recomputed
+    lengths = _decoder_calls(model, lambda: unplanned_generate(
+        model, random_ids(L0 - 4), max_new_tokens=2 * L0, min_new_tokens=2 * L0, do_sample=False, pad_token_id=0))
+    assert recomputations(model) == 1
+    # the one recomputation runs the whole sequence once the length passes 2 x L0
+    assert [n for n in lengths if n > 1] == [L0 - 4, 2 * L0 + 1]
+    assert generation_vs_full_forward(model, random_ids(L0 - 4), new_tokens=2 * L0, planned=False) < TOLERANCE
 
 
 def _decoder_calls(model, run) -> list[int]:

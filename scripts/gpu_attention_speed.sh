@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Attention-call timings of README "On a GPU": one layer's remapped attention against one causal
+# sdpa call on the same tensors (scripts/time_remapped_attention.py), bf16 on CUDA, at 16k and 64k,
+# for this checkout and, if given, another one (run alternately, the same inputs: compare checksums).
+#
+#   bash scripts/gpu_attention_speed.sh [OTHER_CHECKOUT]
+set -uo pipefail
+py=${PYTHON:-python3}
+other=${1:-}
+"$py" -c "import sys, torch
+sys.exit(0 if torch.cuda.is_available() else 'error: no CUDA GPU visible; on the CPU run scripts/time_remapped_attention.py')" || exit 1
+for tokens in 16384 65536; do
+  for method in self-extend-by-parts dual-chunk self-extend; do
+    [ -n "$other" ] && PYTHONPATH="$other" "$py" scripts/time_remapped_attention.py "$method" --tokens $tokens \
+        --device cuda --dtype bf16 --repeats 3 | sed "s|^|other checkout: |"
+    PYTHONPATH=. "$py" scripts/time_remapped_attention.py "$method" --tokens $tokens --device cuda --dtype bf16 --repeats 3
+  done
+done
