@@ -20,8 +20,8 @@ model's outputs (the call is handed to the model's own attention function).
 
 Memory: the queries are processed in chunks and each regime's keys in blocks; partial softmax
 results are merged with their log-sum-exp, as flash attention does, so no ``T x T`` score
-matrix is ever held (on CPU the fused ``_scaled_dot_product_flash_attention_for_cpu`` kernel
-computes each block; elsewhere an explicit float32 computation of the same quantities).
+matrix is ever held (PyTorch's fused kernels that return the log-sum-exp compute each run of
+blocks on CPU and CUDA; training and other devices use an explicit float32 computation).
 
 The model is switched to this attention by a per-instance entry in transformers'
 ``AttentionInterface`` / ``AttentionMaskInterface`` registries (the documented extension points):

@@ -15,8 +15,8 @@ next time::
     patch_model(model, scale=2, method="auto", calibration_ids=ids)          # all candidates
     choice = choose_configuration(model, ids, scale=2, candidates="servable")  # vLLM/llama.cpp too
 
-Candidate sets: ``"all"`` (default) is dynamic-yarn, self-extend with ``W = L0/2`` and
-``W = L0/4``, self-extend with log-n attention, and dual-chunk; ``"servable"`` is the methods
+Candidate sets: ``"all"`` (default) is dynamic-yarn, self-extend-yarn (the default method),
+self-extend with ``W = L0/2`` and ``W = L0/4``, self-extend with log-n attention, and dual-chunk; ``"servable"`` is the methods
 that vLLM and llama.cpp reproduce exactly from a saved checkpoint (yarn, ntk). A list of
 ``"method[:key=value,...]"`` strings (values in JSON) gives your own.
 """
@@ -97,7 +97,7 @@ def candidate_configurations(candidates: str | Sequence[str], original_length: i
     """The candidate configurations as ``method[:key=value,...]`` strings, parsed and checked."""
     if isinstance(candidates, str):
         if candidates == "all":
-            return ["dynamic-yarn", "self-extend", f"self-extend:neighbor_window={max(1, original_length // 4)}",
+            return ["dynamic-yarn", "self-extend-yarn", "self-extend", f"self-extend:neighbor_window={max(1, original_length // 4)}",
                     "self-extend+logn", "dual-chunk"]  # fmt: skip
         if candidates == "servable":
             return ["yarn", "ntk"]

@@ -328,24 +328,51 @@ def self_extend_dca_inv_freq(rotary_dim: int, base: float, params: Mapping[str, 
     ``dynamic-yarn`` would stretch every long wavelength; beyond, the chunked positions that
     carry retrieval to 8x.
     """
+    return _trained_then_yarn(rotary_dim, base, params, seq_len)
+
+
+def self_extend_yarn_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None = None):
+    """Self-Extend with by-parts far positions at every length, on the trained frequencies up to ``s_f L0``
+    tokens and on YaRN x ``s_f`` beyond.
+
+    Sequences longer than ``L0`` get Self-Extend (Jin et al. 2024, arXiv 2401.01325) with YaRN's
+    NTK-by-parts split of the far positions (``far_positions="by-parts"``; ``neighbor_window``
+    default ``L0 / 4``, a group size per query; see ``self-extend``). Up to ``s_f L0`` tokens
+    (``frequencies_scale``, default 2) it rotates with the trained frequencies,
+    ``theta'_i = theta_i``; beyond, with YaRN's at scale ``s_f`` (arXiv 2309.00071, temperature
+    ``sqrt(1/t) = 0.1 ln s_f + 1``), as Self-Extend on ``frequencies="yarn",
+    frequencies_scale=s_f``: the groups keep every distance inside ``L0`` and YaRN's mild
+    interpolation lets the far, compressed positions be read at 4x and beyond, where Self-Extend
+    on the trained frequencies loses facts (README, "Results").
+    """
+    return _trained_then_yarn(rotary_dim, base, params, seq_len)
+
+
+def _trained_then_yarn(rotary_dim: int, base: float, params: Mapping[str, Any], seq_len: int | None):
     if _effective_length(params, seq_len) <= _dynamic_yarn_dca_settle_length(params):
         return default_inv_freq(rotary_dim, base), 1.0
     return _yarn_at(rotary_dim, base, float(params["frequencies_scale"]), params)
 
 
-def _self_extend_below_settle(params: Mapping[str, Any]):
-    """The Self-Extend remap of ``self-extend-dca`` below its settle length (whose length is the target)."""
+def _self_extend_by_parts(params: Mapping[str, Any], method: str, length: int | None = None):
+    """The Self-Extend remap (by-parts far positions, a group per query) of ``method``'s parameters,
+    for sequences up to ``length`` tokens (default the patch's target)."""
     original = params["original_max_position_embeddings"]
     window = params.get("neighbor_window")
     inner = {
         "original_max_position_embeddings": original,
-        "factor": _dynamic_yarn_dca_settle_length(params) / original,
+        "factor": params["factor"] if length is None else length / original,
         # L0 / 4: with by-parts far positions it beats L0 / 2 on retrieval at 2x (README)
         "neighbor_window": max(1, original // 4) if window is None else window,
         "group_size": None,
         "far_positions": "by-parts",
     }
-    return _attention().self_extend_remap(inner, method="self-extend-dca")
+    return _attention().self_extend_remap(inner, method=method)
+
+
+def _self_extend_below_settle(params: Mapping[str, Any]):
+    """The Self-Extend remap of ``self-extend-dca`` below its settle length."""
+    return _self_extend_by_parts(params, "self-extend-dca", _dynamic_yarn_dca_settle_length(params))
 
 
 def _check_dynamic_yarn_dca(rotary_dim: int, params: Mapping[str, Any]) -> None:
@@ -937,6 +964,19 @@ for _method in (
         attention_below_settle=_self_extend_below_settle,
         settle_length=_dynamic_yarn_dca_settle_length,
         runtimes=_builtin_runtimes("self-extend-dca"),
+    ),
+    RopeMethod(
+        "self-extend-yarn",
+        self_extend_yarn_inv_freq,
+        defaults={**_YARN_DEFAULTS, "frequencies_scale": 2.0, "neighbor_window": None},
+        length_dependent=True,
+        validate=_check_dynamic_yarn_dca,  # the remap checks its own parameters when patching
+        summary="self-extend (by-parts far positions) at every length, on the trained frequencies up to "
+                "frequencies_scale x L0 (default 2) and on yarn at that scale beyond.",
+        attention=lambda params: _self_extend_by_parts(params, "self-extend-yarn"),
+        attention_below_settle=lambda params: _self_extend_by_parts(params, "self-extend-yarn"),
+        settle_length=_dynamic_yarn_dca_settle_length,
+        runtimes=_builtin_runtimes("self-extend-yarn"),
     ),
 ):
     _register_builtin(_method)

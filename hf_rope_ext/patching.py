@@ -55,9 +55,9 @@ __all__ = [
 ]
 
 # Measured best across 4k-64k on SmolLM2 (README, "Results: attention-level methods"): the
-# unpatched model inside L0, Self-Extend on the trained frequencies up to 2x, dual chunk
-# attention on YaRN x2 beyond.
-DEFAULT_METHOD = "self-extend-dca"
+# unpatched model inside L0, Self-Extend (by-parts far positions) on the trained frequencies up
+# to 2x and on YaRN x2 beyond.
+DEFAULT_METHOD = "self-extend-yarn"
 # Not a registered method: patch_model measures candidates and applies the best (hf_rope_ext.auto).
 AUTO_METHOD = "auto"
 
@@ -194,7 +194,7 @@ def patch_model(
             extended context is a whole number of tokens (:func:`whole_token_scale`). Or give
             ``max_length``.
         method: a registered method (see :func:`hf_rope_ext.list_methods`); default
-            ``"self-extend-dca"`` (needs attn_implementation sdpa, eager or flash attention).
+            ``"self-extend-yarn"`` (needs attn_implementation sdpa, eager or flash attention).
         max_length: target context in tokens; ``scale = max_length / original context``.
         original_max_length: the context the model was trained on; defaults to
             ``config.max_position_embeddings``.

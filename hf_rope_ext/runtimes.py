@@ -451,11 +451,12 @@ def vllm_longrope(patch: PatchSpec, model_type: str | None = None) -> RuntimeCom
 def _dca_stand_in_note(patch: PatchSpec) -> str:
     """How static yarn at the patch's scale differs from a ``dynamic-yarn-dca`` patch."""
     settle = patch.rope_method.settle_length(patch.resolved_params())
-    below = "self-extend on the trained frequencies" if patch.method == "self-extend-dca" else "dynamic yarn"
+    below = "dynamic yarn" if patch.method == "dynamic-yarn-dca" else "self-extend on the trained frequencies"
+    beyond = "self-extend" if patch.method == "self-extend-yarn" else "dual chunk attention"
     return (
-        f"No runtime has dual chunk attention for this architecture. Closest: static yarn at scale {patch.scale:g}; "
-        f"the patch is the original model up to {patch.original_max_position_embeddings} tokens, {below} up to "
-        f"{settle}, and beyond that yarn x{patch.params['frequencies_scale']:g} with dual chunk attention."
+        f"No runtime has {beyond} with these positions for this architecture. Closest: static yarn at scale "
+        f"{patch.scale:g}; the patch is the original model up to {patch.original_max_position_embeddings} tokens, "
+        f"{below} up to {settle}, and beyond that yarn x{patch.params['frequencies_scale']:g} with {beyond}."
     )
 
 
@@ -591,8 +592,8 @@ def llama_cpp_dynamic_yarn_dca(patch: PatchSpec, model_type: str | None = None) 
     return _llama_cpp_yarn(patch, model_type, "approximate", [_dca_stand_in_note(patch)])
 
 
-vllm_self_extend_dca = vllm_dynamic_yarn_dca
-llama_cpp_self_extend_dca = llama_cpp_dynamic_yarn_dca
+vllm_self_extend_dca = vllm_self_extend_yarn = vllm_dynamic_yarn_dca
+llama_cpp_self_extend_dca = llama_cpp_self_extend_yarn = llama_cpp_dynamic_yarn_dca
 
 
 def llama_cpp_dynamic(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:

@@ -354,7 +354,8 @@ def _generation_matches_full_forward(model, ids, attention_mask=None, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "method", ["self-extend", "self-extend by-parts", "dual-chunk", "yarn+logn", "dynamic-yarn-dca", "self-extend-dca"]
+    "method",
+    ["self-extend", "self-extend by-parts", "dual-chunk", "yarn+logn", "dynamic-yarn-dca", "self-extend-dca", "self-extend-yarn"],
 )
 def test_generation_with_cache_equals_full_forward(family, method):
     model = make_model(family, attn_implementation="sdpa")
@@ -389,7 +390,9 @@ def test_inside_the_original_context_outputs_are_the_unpatched_model_bitwise(fam
     assert torch.equal(before, during)
 
 
-@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "ntk+logn", "dynamic-yarn-dca", "self-extend-dca"])
+@pytest.mark.parametrize(
+    "method", ["self-extend", "dual-chunk", "ntk+logn", "dynamic-yarn-dca", "self-extend-dca", "self-extend-yarn"]
+)
 def test_unpatch_restores_everything_bitwise(method):
     model = make_model("llama", attn_implementation="sdpa")
     ids = random_ids(LENGTH)
@@ -599,8 +602,7 @@ def test_position_ids_with_a_gap_are_honoured():
 @pytest.mark.slow
 def test_real_model_at_12k_the_default_beats_yarn_beyond_8k():
     """SmolLM2-135M (native 8192): one 12,288-token forward of a novel, unpatched, with yarn x2 and with
-    the default (``self-extend-dca``; at 12k Self-Extend by-parts, window 2048, on the trained
-    frequencies), scale 2. Inside 8k the default is the unpatched model; beyond, the unpatched model
+    the default (at 12k Self-Extend by-parts, window 2048, on the trained frequencies), scale 2. Inside 8k the default is the unpatched model; beyond, the unpatched model
     degrades and the default reads better than yarn (numbers in README, "Results")."""
     from pathlib import Path
 
@@ -668,7 +670,8 @@ def test_gradients_match_the_reference():
 
 @pytest.mark.parametrize(
     "method",
-    ["self-extend", "self-extend by-parts", "dual-chunk", "dual-chunk yarn x2", "yarn+logn", "dynamic-yarn-dca", "self-extend-dca"],
+    ["self-extend", "self-extend by-parts", "dual-chunk", "dual-chunk yarn x2", "yarn+logn", "dynamic-yarn-dca", "self-extend-dca",
+     "self-extend-yarn"],
 )
 def test_saved_checkpoint_loads_back_into_the_same_patch(method, tmp_path):
     from hf_rope_ext.hub import load_patched, save_patched
@@ -677,7 +680,8 @@ def test_saved_checkpoint_loads_back_into_the_same_patch(method, tmp_path):
     params = {"self-extend by-parts": {"far_positions": "by-parts", "neighbor_window": 8},
               "dual-chunk yarn x2": {"frequencies": "yarn", "frequencies_scale": 2.0},
               "dynamic-yarn-dca": {"frequencies_scale": 1.5, "chunk_size": 20, "local_window": 4},
-              "self-extend-dca": {"frequencies_scale": 2.5, "neighbor_window": 6}}.get(method, {})  # fmt: skip
+              "self-extend-dca": {"frequencies_scale": 2.5, "neighbor_window": 6},
+              "self-extend-yarn": {"frequencies_scale": 1.5, "neighbor_window": 4}}.get(method, {})  # fmt: skip
     method = method.split()[0]
     patch_model(model, scale=4, method=method, **params)
     ids = random_ids(LENGTH)
@@ -692,7 +696,7 @@ def test_saved_checkpoint_loads_back_into_the_same_patch(method, tmp_path):
         assert torch.equal(loaded(ids).logits, expected)
 
 
-@pytest.mark.parametrize("method", ["dual-chunk", "dynamic-yarn-dca", "self-extend-dca"])
+@pytest.mark.parametrize("method", ["dual-chunk", "dynamic-yarn-dca", "self-extend-dca", "self-extend-yarn"])
 def test_plain_from_pretrained_of_an_attention_level_checkpoint_warns(method, tmp_path, caplog):
     """from_pretrained rebuilds only the frequencies of an attention-level patch: it says so, naming
     load_patched; load_patched itself restores the attention and does not warn."""
@@ -847,11 +851,13 @@ def test_dynamic_yarn_dca_matches_references(family):
     assert (plain_x2[:, 2 * L0 :] - expected_long[:, 2 * L0 :]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("method", ["self-extend-dca", "self-extend-yarn"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_self_extend_dca_matches_references(family):
+def test_self_extend_defaults_match_references(family, method):
     """Inside L0 the unpatched model bitwise; up to 2 x L0 the trained frequencies with the naive
     Self-Extend by-parts positions (window L0 / 4, a group per query); beyond, transformers' yarn x2
-    with the naive dual chunk positions of the paper."""
+    with the naive dual chunk positions of the paper (self-extend-dca) or the naive by-parts
+    positions over yarn's frequencies (self-extend-yarn)."""
     model = make_model(family, attn_implementation="sdpa")
     ids = random_ids(LENGTH)
     head_dim = model.model.layers[0].self_attn.head_dim
@@ -862,8 +868,12 @@ def test_self_extend_dca_matches_references(family):
     expected_middle = reference_logits(model, ids[:, :middle], lambda i, j: self_extend_by_parts_positions(i, j, None, L0 // 4, theta))
     plain_middle = reference_logits(model, ids[:, :middle], lambda i, j: (i, j))
     twin_long, inv_freq = _yarn_twin(model, 2.0)
-    expected_long = reference_logits_at(twin_long, ids, None, lambda i, j: dual_chunk_positions(i, j, 20, 4), theta=inv_freq)
-    patch_model(model, scale=4, method="self-extend-dca", chunk_size=20, local_window=4)
+    if method == "self-extend-dca":
+        params, position_fn = {"chunk_size": 20, "local_window": 4}, lambda i, j: dual_chunk_positions(i, j, 20, 4)
+    else:
+        params, position_fn = {}, lambda i, j: self_extend_by_parts_positions(i, j, None, L0 // 4, inv_freq)
+    expected_long = reference_logits_at(twin_long, ids, None, position_fn, theta=inv_freq)
+    patch_model(model, scale=4, method=method, **params)
     with torch.no_grad():
         assert torch.equal(model(ids[:, :L0]).logits, unpatched)
         actual_middle = model(ids[:, :middle]).logits
@@ -873,33 +883,44 @@ def test_self_extend_dca_matches_references(family):
     assert (actual_middle[:, L0:] - plain_middle[:, L0:]).abs().max() > 1e-2
 
 
-def test_self_extend_dca_equals_its_parts_bitwise():
-    """Between L0 and 2 x L0 self-extend-dca computes what ``self-extend`` (by-parts, W = L0 / 4) at scale 2
-    computes, and beyond 2 x L0 what the ``dynamic-yarn-dca`` default computes, to the last bit: the
-    measurements of those configurations on a real model hold for it."""
+@pytest.mark.parametrize(
+    "method, beyond",
+    [("self-extend-dca", dict(scale=4, method="dynamic-yarn-dca")),
+     ("self-extend-yarn", dict(scale=4, method="self-extend", frequencies="yarn", frequencies_scale=2,
+                               neighbor_window=L0 // 4, far_positions="by-parts"))],
+)
+def test_self_extend_defaults_equal_their_parts_bitwise(method, beyond):
+    """Between L0 and 2 x L0 both compute what ``self-extend`` (by-parts, W = L0 / 4) at scale 2
+    computes, and beyond 2 x L0 what the configuration they name computes, to the last bit: the
+    measurements of those configurations on a real model hold for them."""
     model = make_model("llama", attn_implementation="sdpa")
     for length, twin in ((2 * L0, dict(scale=2, method="self-extend", neighbor_window=L0 // 4, far_positions="by-parts")),
-                         (LENGTH, dict(scale=4, method="dynamic-yarn-dca"))):
+                         (LENGTH, beyond)):
         ids = random_ids(length)
         patch_model(model, **twin)
         with torch.no_grad():
             expected = model(ids).logits
-        patch_model(model, scale=4, method="self-extend-dca")
+        patch_model(model, scale=4, method=method)
         with torch.no_grad():
             assert torch.equal(model(ids).logits, expected), length
         unpatch_model(model)
 
 
-def test_self_extend_dca_bad_parameters_are_refused():
+@pytest.mark.parametrize("method", ["self-extend-dca", "self-extend-yarn"])
+def test_self_extend_defaults_refuse_bad_parameters(method):
     model = make_model("llama", attn_implementation="sdpa")
-    with pytest.raises(ValueError, match="self-extend-dca: neighbor_window must be between 1 and"):
-        patch_model(model, scale=4, method="self-extend-dca", neighbor_window=L0)
-    with pytest.raises(TypeError, match="self-extend-dca: neighbor_window must be a whole number"):
-        patch_model(model, scale=4, method="self-extend-dca", neighbor_window=2.5)
+    with pytest.raises(ValueError, match=f"{method}: neighbor_window must be between 1 and"):
+        patch_model(model, scale=4, method=method, neighbor_window=L0)
+    with pytest.raises(TypeError, match=f"{method}: neighbor_window must be a whole number"):
+        patch_model(model, scale=4, method=method, neighbor_window=2.5)
     with pytest.raises(ValueError, match="frequencies_scale must be a number above 1"):
-        patch_model(model, scale=4, method="self-extend-dca", frequencies_scale=1)
-    with pytest.raises(ValueError, match="chunk_size \\+ local_window <"):
-        patch_model(model, scale=4, method="self-extend-dca", chunk_size=30, local_window=4)
+        patch_model(model, scale=4, method=method, frequencies_scale=1)
+    if method == "self-extend-dca":
+        with pytest.raises(ValueError, match="chunk_size \\+ local_window <"):
+            patch_model(model, scale=4, method=method, chunk_size=30, local_window=4)
+    else:
+        with pytest.raises(ValueError, match="accepts: beta_fast"):
+            patch_model(model, scale=4, method=method, chunk_size=30)
     assert get_patch_info(model) is None and model.config._attn_implementation == "sdpa"
 
 

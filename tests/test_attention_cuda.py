@@ -72,7 +72,7 @@ def test_patched_model_on_cuda_matches_naive_reference(case):
     torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "dynamic-yarn-dca", "self-extend-dca"])
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "dynamic-yarn-dca", "self-extend-dca", "self-extend-yarn"])
 def test_generation_with_cache_equals_full_forward_on_cuda(method):
     model = make_model("llama", attn_implementation="sdpa").cuda()
     params = {"self-extend": {"neighbor_window": 8}}.get(method, {"chunk_size": 20, "local_window": 4})

@@ -81,7 +81,7 @@ STATIC = ["linear", "ntk", "yarn", "llama3"]
 DYNAMIC = ["dynamic", "dynamic-yarn", "dynamic-linear", "longrope", "dynamic-yarn-dca"]
 
 
-@pytest.mark.parametrize("method", STATIC + DYNAMIC + ["self-extend-dca"])
+@pytest.mark.parametrize("method", STATIC + DYNAMIC + ["self-extend-dca", "self-extend-yarn"])
 def test_generation_matches_full_forward(method):
     model = make_model("llama")
     patch_model(model, scale=4, method=method, **_extra(method))
@@ -134,13 +134,14 @@ def test_unplanned_generation_past_the_settle_length_matches_full_forward(steps_
     assert recomputations(model) == crossing  # settled: nothing recomputed beyond 2 x L0
 
 
-def test_self_extend_dca_keeps_its_cache_up_to_the_settle_length():
-    """self-extend-dca is one state from 0 to 2 x L0 (trained frequencies; Self-Extend is plain
-    attention for queries inside L0): a decode loop without a plan that starts inside L0 recomputes
-    its cache once, at 2 x L0 where yarn x2 and dual chunk attention take over, never at L0, and
-    every step equals a full forward over the same tokens."""
+@pytest.mark.parametrize("method", ["self-extend-dca", "self-extend-yarn"])
+def test_self_extend_defaults_keep_their_cache_up_to_the_settle_length(method):
+    """Both are one state from 0 to 2 x L0 (trained frequencies; Self-Extend is plain attention for
+    queries inside L0): a decode loop without a plan that starts inside L0 recomputes its cache
+    once, at 2 x L0 where yarn x2 takes over, never at L0, and every step equals a full forward
+    over the same tokens."""
     model = make_model("llama", attn_implementation="sdpa")
-    patch_model(model, scale=4, method="self-extend-dca", chunk_size=20, local_window=4)
+    patch_model(model, scale=4, method=method)
     assert generation_vs_full_forward(model, random_ids(L0 - 4), new_tokens=L0 + 4, planned=False) < TOLERANCE
     assert recomputations(model) == 0  # crossed L0, stayed below 2 x L0: nothing recomputed
     lengths = _decoder_calls(model, lambda: unplanned_generate(
