@@ -193,6 +193,11 @@ class PatchSpec:
         set_field(self, "params", resolve_params(rope_method, self.rotary_dim, self.params))
         if rope_method.length_dependent:
             set_field(self, "steps_per_doubling", check_steps(self.steps_per_doubling))
+            if self.steps_per_doubling is not None and rope_method.attention_below_settle is not None:
+                raise ValueError(
+                    f"steps_per_doubling does not apply to {self.method!r}: its frequencies change only once, at "
+                    "frequencies_scale x the original context; leave it unset."
+                )
         elif self.steps_per_doubling is not None:
             raise ValueError(
                 f"steps_per_doubling only applies to length-dependent methods; {self.method!r} is static."

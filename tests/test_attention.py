@@ -915,6 +915,8 @@ def test_self_extend_defaults_refuse_bad_parameters(method):
         patch_model(model, scale=4, method=method, neighbor_window=2.5)
     with pytest.raises(ValueError, match="frequencies_scale must be a number above 1"):
         patch_model(model, scale=4, method=method, frequencies_scale=1)
+    with pytest.raises(ValueError, match=f"steps_per_doubling does not apply to '{method}'"):
+        patch_model(model, scale=4, method=method, steps_per_doubling=2)
     if method == "self-extend-dca":
         with pytest.raises(ValueError, match="chunk_size \\+ local_window <"):
             patch_model(model, scale=4, method=method, chunk_size=30, local_window=4)
