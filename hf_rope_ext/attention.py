@@ -55,6 +55,10 @@ QUERY_CHUNK = 512
 # On CUDA the fused kernels hold no score matrix, and the cost is the number of kernel launches
 # and host round trips per tile: larger query chunks, and masks built per run of blocks.
 QUERY_CHUNK_CUDA = 4096
+# Key blocks per masked call there: a mask's position temporaries (int64, query chunk x keys) stay
+# near 256 MiB even when a padding mask leaves every block undecided; without padding, the
+# undecided bands of the remaps (window plus chunk) fit in one call.
+MASKED_RUN_BLOCKS = 16
 # Set once a fused CUDA kernel refuses a call (see _partial_attention).
 _FUSED_CUDA_FAILED = False
 
@@ -778,15 +782,19 @@ def _add_regime(
     for status, first, stop in _runs(statuses):
         if status == SKIP:
             continue
-        lo, hi = first * KEY_BLOCK, min(last_key, stop * KEY_BLOCK)
-        if status == FULL:
-            mask = None
-        elif refine:
-            mask = torch.cat(masks[first:stop], dim=-1)
-        else:
-            mask = _regime_mask(regime, pq, pk[:, lo:hi], None if base is None else base[..., lo:hi])
-        output, lse = _partial_attention(query, key[:, :, lo:hi], value[:, :, lo:hi], mask, scaling)
-        accumulator.add(output, lse)
+        # unrefined masked runs in pieces, so that their int64 position temporaries stay small
+        step = stop - first if status == FULL or refine else MASKED_RUN_BLOCKS
+        for piece in range(first, stop, step):
+            piece_stop = min(stop, piece + step)
+            lo, hi = piece * KEY_BLOCK, min(last_key, piece_stop * KEY_BLOCK)
+            if status == FULL:
+                mask = None
+            elif refine:
+                mask = torch.cat(masks[piece:piece_stop], dim=-1)
+            else:
+                mask = _regime_mask(regime, pq, pk[:, lo:hi], None if base is None else base[..., lo:hi])
+            output, lse = _partial_attention(query, key[:, :, lo:hi], value[:, :, lo:hi], mask, scaling)
+            accumulator.add(output, lse)
 
 
 def _refines_masks(device: torch.device) -> bool:

@@ -507,6 +507,7 @@ def test_masks_built_per_run_give_the_per_block_result(method, padded, monkeypat
     original = attention_level._partial_attention
     monkeypatch.setattr(attention_level, "_partial_attention", lambda *a: calls.append(a[3] is not None) or original(*a))
     monkeypatch.setattr(attention_level, "_refines_masks", lambda device: False)
+    monkeypatch.setattr(attention_level, "MASKED_RUN_BLOCKS", 2)  # long masked runs go in pieces
     per_run = attention_level.remapped_attention(query, key, value, query_chunk=11, **common)
     torch.testing.assert_close(per_run, per_block, atol=1e-5, rtol=1e-5)
     assert True in calls and (padded or False in calls)  # masked runs, and unmasked ones where positions decide
