@@ -248,17 +248,27 @@ def test_paper_position_maps_bound_every_distance():
 # ----------------------------------------------------------------------------------------------
 
 
+# remaps of the kernel-level tests, by name ("logn only": no remap)
+KERNEL_REMAPS = {
+    "self-extend": attention_level.SelfExtendRemap(3, 8, L0),
+    "self-extend by-parts": attention_level.SelfExtendRemap(None, 8, L0, "by-parts"),
+    "dual-chunk": attention_level.DualChunkRemap(20, 4, L0),
+    "logn only": None,
+}
+
+
+def kernel_inputs(length: int = 90):
+    """Random queries (2 rows, 4 heads), keys and values (2 heads), head size 16, and their positions."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 4, length, 16), torch.randn(2, 2, length, 16), torch.randn(2, 2, length, 16)
+    return query, key, value, torch.arange(length)[None]
+
+
 @pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk"])
 def test_chunked_equals_unchunked(method, monkeypatch):
-    torch.manual_seed(0)
     length = 90
-    query, key, value = torch.randn(2, 4, length, 16), torch.randn(2, 2, length, 16), torch.randn(2, 2, length, 16)
-    positions = torch.arange(length)[None]
-    remap = {
-        "self-extend": attention_level.SelfExtendRemap(3, 8, L0),
-        "self-extend by-parts": attention_level.SelfExtendRemap(None, 8, L0, "by-parts"),
-        "dual-chunk": attention_level.DualChunkRemap(20, 4, L0),
-    }[method]
+    query, key, value, positions = kernel_inputs(length)
+    remap = KERNEL_REMAPS[method]
     theta = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
     common = dict(query_positions=positions, key_positions=positions, allowed=lambda a, b: None, remap=remap,
                   inv_freq=theta, scaling=0.25)
@@ -480,16 +490,9 @@ def test_masks_built_per_run_give_the_per_block_result(method, padded, monkeypat
     """On CUDA undecided key blocks are not checked one by one (that would wait for the device per
     block): one mask per run of blocks. Forced here on the CPU, with and without a padding mask, it
     gives the per-block result."""
-    torch.manual_seed(0)
     length = 90
-    query, key, value = torch.randn(2, 4, length, 16), torch.randn(2, 2, length, 16), torch.randn(2, 2, length, 16)
-    positions = torch.arange(length)[None]
-    remap = {
-        "self-extend": attention_level.SelfExtendRemap(3, 8, L0),
-        "self-extend by-parts": attention_level.SelfExtendRemap(None, 8, L0, "by-parts"),
-        "dual-chunk": attention_level.DualChunkRemap(20, 4, L0),
-        "logn only": None,
-    }[method]
+    query, key, value, positions = kernel_inputs(length)
+    remap = KERNEL_REMAPS[method]
     padding = torch.ones(2, length, dtype=torch.bool)
     if padded:
         padding[1, :7] = False  # left padding on the second row
