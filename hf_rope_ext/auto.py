@@ -16,8 +16,9 @@ next time::
     choice = choose_configuration(model, ids, scale=2, candidates="servable")  # vLLM/llama.cpp too
 
 Candidate sets: ``"all"`` (default) is dynamic-yarn, self-extend-yarn (the default method),
-self-extend with ``W = L0/2`` and ``W = L0/4``, self-extend with log-n attention, and dual-chunk; ``"servable"`` is the methods
-that vLLM and llama.cpp reproduce exactly from a saved checkpoint (yarn, ntk). A list of
+self-extend with ``W = L0/2`` and ``W = L0/4``, self-extend with log-n attention, and
+dual-chunk; ``"servable"`` is the methods that vLLM and llama.cpp reproduce exactly from a saved
+checkpoint (yarn, ntk). A list of
 ``"method[:key=value,...]"`` strings (values in JSON) gives your own.
 """
 
