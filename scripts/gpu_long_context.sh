@@ -31,14 +31,14 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, torc
 bf16=(--model smollm2 --dtype bf16 --attn-implementation sdpa)
 step cuda_tests "$py" -m pytest -q -p no:cacheprovider tests/test_attention_cuda.py
 step perplexity_64k "$py" examples/compare_configurations.py "${bf16[@]}" --text-files "$books/pg84.txt" \
-    --length 65536 --scale 8 --configs "none;yarn;self-extend-dca;self-extend" --output-dir "$out/perplexity_64k"
+    --length 65536 --scale 8 --configs "none;yarn;self-extend-yarn;self-extend-dca;self-extend" --output-dir "$out/perplexity_64k"
 step retrieval_64k "$py" examples/compare_retrieval.py "${bf16[@]}" --length 65536 --scale 8 --depths 0.5 \
-    --trials 2 --configs "self-extend-dca;yarn" --output-dir "$out/retrieval_64k"
+    --trials 2 --configs "self-extend-yarn;self-extend-dca;yarn" --output-dir "$out/retrieval_64k"
 step perplexity_128k "$py" examples/compare_configurations.py "${bf16[@]}" --text-files "$books/pg2701.txt" \
-    --length 131072 --scale 16 --configs "none;yarn;self-extend-dca;self-extend" --output-dir "$out/perplexity_128k"
+    --length 131072 --scale 16 --configs "none;yarn;self-extend-yarn;self-extend-dca;self-extend" --output-dir "$out/perplexity_128k"
 step retrieval_128k "$py" examples/compare_retrieval.py "${bf16[@]}" --length 131072 --scale 16 --depths 0.5 \
-    --trials 2 --configs "self-extend-dca;yarn" --output-dir "$out/retrieval_128k"
+    --trials 2 --configs "self-extend-yarn;self-extend-dca;yarn" --output-dir "$out/retrieval_128k"
 step perplexity_64k_fp32 "$py" examples/compare_configurations.py --model smollm2 --dtype fp32 \
-    --text-files "$books/pg84.txt" --length 65536 --scale 8 --configs "yarn;self-extend-dca;self-extend" \
+    --text-files "$books/pg84.txt" --length 65536 --scale 8 --configs "yarn;self-extend-yarn;self-extend-dca;self-extend" \
     --output-dir "$out/perplexity_64k"
 exit $status
