@@ -845,13 +845,17 @@ class AttentionPatch:
     key_rotations: KeyRotationTables = field(default_factory=KeyRotationTables)
     key_rotations_below_settle: KeyRotationTables = field(default_factory=KeyRotationTables)
 
+    def remap_for(self, beyond_settle: bool) -> PositionRemap | None:
+        """The remap used beyond a method's settle length (or always, without one), or below it."""
+        return self.remap if beyond_settle else self.remap_below_settle
+
     def _current_remap(self) -> tuple[PositionRemap | None, torch.Tensor, KeyRotationTables]:
         """The remap of the current forward, the frequencies it rotates with, and its key tables."""
         if self.remap_applies is None or self.remap_applies():
-            return self.remap, self.inv_freq, self.key_rotations
+            return self.remap_for(True), self.inv_freq, self.key_rotations
         if self.remap_below_settle is None:
             return None, self.inv_freq, self.key_rotations
-        return self.remap_below_settle, self.inv_freq_below_settle, self.key_rotations_below_settle
+        return self.remap_for(False), self.inv_freq_below_settle, self.key_rotations_below_settle
 
     def attention(self, module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """The attention function registered for this model (transformers' signature)."""

@@ -516,6 +516,38 @@ def test_masks_built_per_run_give_the_per_block_result(method, padded, monkeypat
     assert True in calls and (padded or False in calls)  # masked runs, and unmasked ones where positions decide
 
 
+@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts W=2048", "dual-chunk"])
+def test_unpadded_masked_runs_fit_in_one_piece_at_64k(method, monkeypatch):
+    """The cap on masked runs (MASKED_RUN_BLOCKS) binds only with padding: at 64k with SmolLM2's L0
+    and each remap's default parameters, the CUDA query chunks make no more masked calls with the
+    cap than without it."""
+    original, length = 8192, 65536
+    params = {"original_max_position_embeddings": original, "factor": length / original}
+    if method == "self-extend by-parts W=2048":
+        params.update(neighbor_window=2048, far_positions="by-parts")
+    remap = (attention_level.dual_chunk_remap if method == "dual-chunk" else attention_level.self_extend_remap)(params)
+    tiny = torch.zeros(1, 1, length, 2)
+    positions = torch.arange(length)[None]
+    monkeypatch.setattr(attention_level, "_refines_masks", lambda device: False)
+    original_call = attention_level._partial_attention
+
+    def masked_calls(cap: int) -> int:
+        calls = []
+        monkeypatch.setattr(attention_level, "MASKED_RUN_BLOCKS", cap)
+        monkeypatch.setattr(attention_level, "_partial_attention", lambda *a: calls.append(a[3] is not None) or original_call(*a))
+        with torch.no_grad():
+            attention_level.remapped_attention(
+                tiny, tiny, tiny, query_positions=positions, key_positions=positions, allowed=lambda a, b: None,
+                remap=remap, inv_freq=torch.ones(1, dtype=torch.float64), scaling=1.0,
+                query_chunk=attention_level.QUERY_CHUNK_CUDA,
+            )
+        return sum(calls)
+
+    capped = masked_calls(attention_level.MASKED_RUN_BLOCKS)
+    assert capped > 0 and capped == masked_calls(10**9)
+    assert masked_calls(2) > capped  # a smaller cap does cut these runs
+
+
 def test_cut_query_chunks_give_the_unchunked_result():
     """Chunks of 13 queries, cut again at each group change, give what one uncut chunk of every query
     computes (float64)."""

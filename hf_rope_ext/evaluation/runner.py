@@ -111,9 +111,7 @@ def rope_fingerprint(model: nn.Module, length: int) -> str:
         return "original"
     inv_freq, attention_factor = rotary.frequencies(length)
     attention = rotary.attention_patch
-    position_remap = None
-    if attention is not None:  # a settle-length method's remap, or the one it has below that length
-        position_remap = attention.remap if rotary.remap_applies(length) else attention.remap_below_settle
+    position_remap = attention.remap_for(rotary.remap_applies(length)) if attention is not None else None
     # No remap at this length and no temperature: the frequencies alone say what the model computes.
     plain = attention is None or (position_remap is None and not attention.logn)
     remap = "" if plain else f"{position_remap!r} logn={attention.logn}"
