@@ -55,7 +55,7 @@ from hf_rope_ext.arguments import (
     add_output_dir_argument,
     argument_parser,
 )
-from hf_rope_ext.auto import parse_configuration
+from hf_rope_ext.auto import check_configurations, parse_configuration
 from hf_rope_ext.compat import cache_argument_name, output_cache
 from hf_rope_ext.loading import load_model, resolve_model_path
 from hf_rope_ext.methods import get_method
@@ -249,10 +249,7 @@ def decode_step_benchmark(model, ids, methods, scale: float, repeats: int) -> di
     cache_name = cache_argument_name(parameters)
     if cache_name is None:
         raise ValueError(f"{type(model).__name__}.forward takes no KV cache; the decode-step benchmark needs one.")
-    for name in methods:  # bad parameters fail now, not after the long prefill
-        method, params = parse_configuration(name)
-        patch_model(model, scale=scale, method=method, **params)
-        unpatch_model(model)
+    check_configurations(model, methods, scale)  # bad parameters fail now, not after the long prefill
     with torch.no_grad():
         prefill = output_cache(model(ids[:, :-1], use_cache=True, logits_to_keep=1))
     last = ids[:, -1:]

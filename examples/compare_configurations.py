@@ -35,7 +35,8 @@ from hf_rope_ext.arguments import (
     add_text_files_argument,
     argument_parser,
 )
-from hf_rope_ext.auto import parse_configuration
+from hf_rope_ext.auto import check_configurations, parse_configuration
+from hf_rope_ext.cli import one_line
 from hf_rope_ext.data import read_text, tokenize
 from hf_rope_ext.evaluation.perplexity import bucket_perplexity
 from hf_rope_ext.evaluation.records import read_records
@@ -62,10 +63,23 @@ def main() -> None:
         parser.error(f"give one document with --text-files, got {len(args.text_files)}")
     (args.text_file,) = args.text_files
     specs = [part.strip() for part in args.configs.split(";") if part.strip()]
+    if not specs:
+        parser.error(f"--configs names no configuration, got {args.configs!r}; give method[:key=value,...] or 'none'")
     try:
-        configurations = [parse_configuration(spec) for spec in specs]  # checked before the model loads
+        for spec in specs:  # the syntax is checked before the model loads, the rest once it has
+            parse_configuration(spec)
     except ValueError as error:
-        parser.error(str(error))
+        parser.error(one_line(error))
+    if args.length < 2:
+        parser.error(f"--length must be at least 2 tokens, got {args.length}")
+    edges = None
+    if args.ranges:
+        try:
+            edges = [int(x) for x in args.ranges.split(",")]
+        except ValueError:
+            parser.error(f"--ranges takes comma-separated whole numbers of tokens, got {args.ranges!r}")
+        if edges[0] != 0 or edges[-1] != args.length or any(b <= a for a, b in zip(edges, edges[1:])):
+            parser.error(f"--ranges must rise strictly from 0 to --length {args.length}, got {args.ranges!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     output = Path(args.output_dir)
@@ -76,10 +90,15 @@ def main() -> None:
     model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
     device = model.get_input_embeddings().weight.device
     native = int(model.config.max_position_embeddings)
+    try:  # every configuration on this model before the first forward, not after the ones before it
+        configurations = check_configurations(model, specs, args.scale, original_max_length=native)
+    except ValueError as error:
+        parser.error(one_line(error))
     ids = tokenize(tokenizer, read_text(args.text_file))
     if len(ids) < args.length:
-        raise SystemExit(f"error: {args.text_file} has {len(ids)} tokens, fewer than --length {args.length}")
-    edges = [int(x) for x in args.ranges.split(",")] if args.ranges else [0, native // 2, native, args.length]
+        parser.error(f"{args.text_file} has {len(ids)} tokens, fewer than --length {args.length}")
+    if edges is None:  # halves of the native context, then the rest; only the edges inside the input
+        edges = [edge for edge in (0, native // 2, native) if edge < args.length] + [args.length]
 
     for spec, (method, params) in zip(specs, configurations):
         fields = {"config": spec, "scale": args.scale, "length": args.length, "text": Path(args.text_file).name,

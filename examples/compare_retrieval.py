@@ -35,7 +35,8 @@ from hf_rope_ext.arguments import (
     add_output_dir_argument,
     argument_parser,
 )
-from hf_rope_ext.auto import parse_configuration
+from hf_rope_ext.auto import check_configurations, parse_configuration
+from hf_rope_ext.cli import one_line
 from hf_rope_ext.evaluation.records import load_records, read_records
 from hf_rope_ext.evaluation.retrieval import TASKS, grade, greedy_generate, make_trial, trial_seed
 from hf_rope_ext.files import atomic_write_text
@@ -116,10 +117,13 @@ def main() -> None:
     add_dtype_argument(parser)
     args = parser.parse_args()
     specs = [part.strip() for part in args.configs.split(";") if part.strip()]
+    if not specs:
+        parser.error(f"--configs names no configuration, got {args.configs!r}; give method[:key=value,...] or 'none'")
     try:
-        configurations = [parse_configuration(spec) for spec in specs]  # checked before the model loads
+        for spec in specs:  # the syntax is checked before the model loads, the rest once it has
+            parse_configuration(spec)
     except ValueError as error:
-        parser.error(str(error))
+        parser.error(one_line(error))
     tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
     unknown = [task for task in tasks if task not in TASKS]
     if unknown or not tasks:
@@ -144,6 +148,10 @@ def main() -> None:
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
     native = int(model.config.max_position_embeddings)
+    try:  # every configuration on this model before the first prompt, not after the ones before it
+        configurations = check_configurations(model, specs, args.scale, original_max_length=native)
+    except ValueError as error:
+        parser.error(one_line(error))
     eos = getattr(tokenizer, "eos_token_id", None)
     pad = getattr(tokenizer, "pad_token_id", None)
     for spec, (method, params) in zip(specs, configurations):

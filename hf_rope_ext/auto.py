@@ -48,6 +48,7 @@ __all__ = [
     "AutoChoice",
     "CandidateScore",
     "candidate_configurations",
+    "check_configurations",
     "choose_configuration",
     "parse_configuration",
 ]
@@ -86,6 +87,35 @@ def parse_configuration(text: str) -> tuple[str, dict[str, Any]]:
     if not method.strip():
         raise ValueError(f"configuration {text!r} names no method.")
     return method.strip(), params
+
+
+def check_configurations(
+    model: nn.Module, texts: Sequence[str], scale: Any, *, original_max_length: int | None = None
+) -> list[tuple[str, dict[str, Any]]]:
+    """Parse ``texts`` and check each configuration on ``model`` before a long run uses it.
+
+    Each one is patched and unpatched at once (``unpatch_model`` restores the model bitwise), so
+    every check :func:`hf_rope_ext.patch_model` makes for this model (method, parameters, scale,
+    attention implementation) fails here, in one ``ValueError`` that names the configuration,
+    rather than after the forwards that came before it. ``"none"`` (the unpatched model) is not
+    patched. ``original_max_length`` as in ``patch_model``. Returns the parsed ``(method, params)``
+    pairs.
+    """
+    from .patching import patch_model, unpatch_model
+
+    if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
+        raise ValueError(f"give at least one configuration 'method[:key=value,...]' ('none' = unpatched), got {texts!r}.")
+    configurations = []
+    for text in texts:
+        method, params = parse_configuration(text)
+        if method != "none":
+            try:
+                patch_model(model, scale, method, original_max_length=original_max_length, **params)
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"configuration {text!r}: {error}") from error
+            unpatch_model(model)
+        configurations.append((method, params))
+    return configurations
 
 
 def _configuration_text(method: str, params: Mapping[str, Any]) -> str:

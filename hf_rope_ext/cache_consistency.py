@@ -320,10 +320,35 @@ def _generate_with_plan(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     before = self.__dict__.get(_WRAPPED_ATTRIBUTE)
     generate = type(self).generate.__get__(self) if before is None else before
     plan = compat.planned_generation_length(self, args, kwargs)
+    recomputes = _recomputes_in(self)
     with contextlib.ExitStack() as stack:
-        for recompute in _recomputes_in(self):
+        for recompute in recomputes:
             stack.enter_context(recompute.planning(plan))
+        stack.enter_context(_extended_context_in_config(self, recomputes))
         return generate(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _extended_context_in_config(model: nn.Module, recomputes: list[PrefixRecompute]) -> Iterator[None]:
+    """``config.max_position_embeddings`` is the patch's extended context for one ``generate`` call.
+
+    Length-dependent patches keep it at the original context (see :mod:`hf_rope_ext.config_io`),
+    but ``generate`` reads it as the model's maximum length: a call that sets no length is capped
+    there (refused outright when the prompt is longer) and tokens past it are warned about. During
+    the call it holds what a static method's patch writes, and the original value comes back after.
+    """
+    config = getattr(model, "config", None)
+    current = getattr(config, "max_position_embeddings", None)
+    specs = [recompute.rotary.spec for recompute in recomputes if recompute.rotary.spec is not None]
+    extended = max((spec.extended_context for spec in specs), default=None)
+    if extended is None or not isinstance(current, int) or current >= extended:
+        yield
+        return
+    config.max_position_embeddings = extended
+    try:
+        yield
+    finally:
+        config.max_position_embeddings = current
 
 
 def _wrap_generate(model: nn.Module) -> list[nn.Module]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -218,3 +219,30 @@ def test_configuration_values_are_json_or_bare_words():
     for bad in ("self-extend:neighbor_window=2 048", "self-extend:far_positions=by parts", "yarn:beta_fast=[1"):
         with pytest.raises(ValueError, match="is not a number, true/false, null or a word"):
             parse_configuration(bad)
+
+
+def test_check_configurations_patches_nothing_and_names_the_bad_one():
+    """check_configurations: every configuration is checked on the model, the first bad one is named,
+    and the model is left as it was (no patch, same weights and rotary buffers)."""
+    from hf_rope_ext.auto import check_configurations
+
+    model = make_model("llama")
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    buffers = {name: tensor.clone() for name, tensor in model.named_buffers()}
+    assert check_configurations(model, ["none", "yarn", "self-extend:neighbor_window=8"], 2) == [
+        ("none", {}), ("yarn", {}), ("self-extend", {"neighbor_window": 8})]  # fmt: skip
+    for texts, message in (
+        (["yarn", f"self-extend:neighbor_window={L0}"], f"configuration 'self-extend:neighbor_window={L0}': "),
+        (["yarn", "dual-chunk:chunk_size=0"], "configuration 'dual-chunk:chunk_size=0': "),
+        (["yarn", "self-extend:group_size=\"x\""], "configuration 'self-extend:group_size=\"x\"': "),
+        (["nope"], "Unknown RoPE method 'nope'"),
+        ([], "give at least one configuration"),
+        ("yarn", "give at least one configuration"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_configurations(model, texts, 2)
+    with pytest.raises(ValueError, match=re.escape("configuration 'yarn': scale=0.5 is below 1")):
+        check_configurations(model, ["none", "yarn"], 0.5)
+    assert get_patch_info(model) is None
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    assert all(torch.equal(buffers[name], tensor) for name, tensor in model.named_buffers())

@@ -1013,3 +1013,80 @@ def test_compare_configurations_example_matches_the_library_per_dtype(tiny_check
     run("bf16")  # every configuration of this dtype is done
     assert (output / "results.jsonl").read_text() == before
     assert "| yarn | 2 | 512 | bf16 |" in (output / "table.md").read_text()
+
+
+@pytest.mark.parametrize("script", ["compare_configurations.py", "compare_retrieval.py"])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--configs", "yarn;self-extend:neighbor_window=256"], "configuration 'self-extend:neighbor_window=256': "),
+        (["--configs", "yarn;self-extend:neighbor_window=abc"], "neighbor_window must be a whole number"),
+        (["--configs", "yarn;bogus"], "Unknown RoPE method 'bogus'"),
+        (["--configs", "yarn;yarn:foo=1"], "Unknown parameter(s) for method 'yarn': 'foo'"),
+        (["--configs", " ; "], "--configs names no configuration"),
+        (["--configs", "yarn", "--scale", "0"], "scale must be > 1"),
+    ],
+)
+def test_compare_examples_refuse_bad_configurations_before_any_forward(
+    tiny_checkpoint, tmp_path, monkeypatch, capsys, script, arguments, message
+):
+    """A bad configuration anywhere in --configs stops the example with one line naming it (exit 2),
+    before the configurations listed ahead of it have run: nothing is written."""
+    import sys
+
+    module = _example_module(script.removesuffix(".py") + "_bad", script)
+    text = tmp_path / "doc.txt"
+    text.write_text("A short story about the sea. " * 200)
+    output = tmp_path / "out"
+    argv = [script, "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--output-dir", str(output)]
+    if script == "compare_configurations.py":
+        argv += ["--text-files", str(text)]
+    monkeypatch.setattr(sys, "argv", argv + arguments)  # a later --scale overrides the first
+    with pytest.raises(SystemExit) as stopped:
+        module.main()
+    assert stopped.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"{script}: error: ") and message in last
+    assert not (output / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--ranges", "0,300,200,512"], "--ranges must rise strictly from 0 to --length 512"),
+        (["--ranges", "0,a,512"], "--ranges takes comma-separated whole numbers"),
+        (["--length", "0"], "--length must be at least 2 tokens"),
+        (["--length", "100000"], "fewer than --length 100000"),
+    ],
+)
+def test_compare_configurations_example_refuses_bad_lengths(tiny_checkpoint, tmp_path, monkeypatch, capsys, arguments,
+                                                            message):  # fmt: skip
+    import sys
+
+    module = _example_module("compare_configurations_lengths", "compare_configurations.py")
+    text = tmp_path / "doc.txt"
+    text.write_text("A short story about the sea. " * 200)
+    argv = ["compare_configurations.py", "--model", str(tiny_checkpoint), "--text-files", str(text), "--length", "512",
+            "--scale", "2", "--configs", "yarn", "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv + arguments)
+    with pytest.raises(SystemExit) as stopped:
+        module.main()
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_compare_configurations_example_keeps_default_ranges_inside_a_short_input(tiny_checkpoint, tmp_path, monkeypatch):
+    """--length inside the native context (256 here): the default ranges stop at the input's end."""
+    import sys
+
+    module = _example_module("compare_configurations_short", "compare_configurations.py")
+    text = tmp_path / "doc.txt"
+    text.write_text(" ".join(f"Line {i} of a long story about the sea and the ship." for i in range(60)))
+    output = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", [
+        "compare_configurations.py", "--model", str(tiny_checkpoint), "--text-files", str(text), "--length", "200",
+        "--scale", "2", "--configs", "none", "--output-dir", str(output)])  # fmt: skip
+    module.main()
+    (record,) = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
+    assert record["edges"] == [0, 128, 200]
+    assert len(record["ppl"]) == 2 and all(math.isfinite(p) for p in record["ppl"])

@@ -488,17 +488,17 @@ def test_frequency_grid_takes_the_smallest_step_and_maps_steps_to_themselves(ste
 
 
 def test_generate_without_a_length_keeps_an_enclosing_plan():
-    # No max_new_tokens nor max_length: transformers' default (up to the config's 32 tokens) is
-    # not planned by the wrapper, so the enclosing plan of 4 L0 must hold.
+    # No max_new_tokens nor max_length: transformers' default (20 new tokens, capped at the
+    # extended context) is not planned by the wrapper, so the enclosing plan of 4 L0 must hold.
     model = make_model("llama")
     patch_model(model, scale=4, method="dynamic")
     prompt = random_ids(L0 - 12)
     with planned_length(model, 4 * L0):
-        out = model.generate(prompt, min_new_tokens=12, do_sample=False, pad_token_id=0,
+        out = model.generate(prompt, min_new_tokens=20, do_sample=False, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)
         with torch.no_grad():
             full = model(out.sequences[:, :-1]).logits[:, L0 - 13 :]
-    assert out.sequences.shape[1] == L0
+    assert out.sequences.shape[1] == L0 + 8
     torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
     with torch.no_grad():  # and the plan matters here: inside L0 on their own, these are the original frequencies
         assert not torch.allclose(model(out.sequences[:, :-1]).logits[:, L0 - 13 :], full, atol=1e-3)
@@ -726,3 +726,28 @@ def test_a_failed_forward_leaves_the_cache_and_the_hooks_usable():
         hook.remove()
         assert model.model.rotary_emb.frequency_length is None
         torch.testing.assert_close(_continue(model, cache, ids, 20), _full(model, ids, 20), rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("method", ["self-extend-yarn", "dynamic-yarn"])
+def test_generate_without_a_length_reads_a_prompt_beyond_the_original_context(method):
+    """Length-dependent patches keep config.max_position_embeddings at L0 (config_io), which generate
+    reads as the model's length: a call without max_new_tokens on a longer prompt was refused by
+    transformers. During generate it is the extended context, as a static patch writes it: the call
+    gives transformers' 20 default tokens capped there, the same tokens as an explicit call without a
+    plan (a call without a length announces none), and the config is back to L0 afterwards, also after
+    a failed call."""
+    model = make_model("llama", attn_implementation="sdpa")
+    prompt = random_ids(L0 + L0 // 2)
+    with pytest.raises(ValueError, match="max_length"):  # what the unpatched model does
+        model.generate(prompt, do_sample=False, pad_token_id=0)
+    patch_model(model, scale=2, method=method)
+    assert model.config.max_position_embeddings == L0
+    default = model.generate(prompt, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert default.shape[1] == 2 * L0  # min(prompt + 20, 2 L0): the cap of the extended context
+    explicit = unplanned_generate(model, prompt, max_new_tokens=2 * L0 - prompt.shape[1], do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)  # fmt: skip
+    assert torch.equal(default, explicit)
+    assert model.config.max_position_embeddings == L0
+    with pytest.raises(ValueError):
+        model.generate(prompt, max_new_tokens=-1)
+    assert model.config.max_position_embeddings == L0
