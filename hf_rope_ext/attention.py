@@ -22,6 +22,9 @@ Memory: the queries are processed in chunks and each regime's keys in blocks; pa
 results are merged with their log-sum-exp, as flash attention does, so no ``T x T`` score
 matrix is ever held (PyTorch's fused kernels that return the log-sum-exp compute each run of
 blocks on CPU and CUDA; training and other devices use an explicit float32 computation).
+Where a regime selects a band of distances (self-extend's neighbour and far regimes, plain
+attention) and positions are consecutive without padding, its keys split into rectangles and
+causal triangles, so the fused kernels run every tile without a mask (:func:`_add_band`).
 
 The model is switched to this attention by a per-instance entry in transformers'
 ``AttentionInterface`` / ``AttentionMaskInterface`` registries (the documented extension points):
@@ -45,7 +48,7 @@ from .rotary import rope_angles
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DualChunkRemap", "PositionRemap", "Regime", "SelfExtendRemap", "remapped_attention"]
+__all__ = ["Band", "DualChunkRemap", "PositionRemap", "Regime", "SelfExtendRemap", "remapped_attention"]
 
 # Queries are processed QUERY_CHUNK at a time against keys in blocks of KEY_BLOCK: masks exist
 # only for blocks a regime selects in part, so working memory stays O(QUERY_CHUNK x KEY_BLOCK)
@@ -74,6 +77,11 @@ class Regime:
     tile is selected nowhere (``SKIP``), everywhere (``FULL``) or in part (``PARTIAL``), so
     that only partial tiles need an elementwise mask. ``key_map`` names the key map: regimes of
     one remap with the same name share their rotated keys (default: the regime's own name).
+    ``band(q_lo, q_hi)`` optionally says that for queries at positions in ``[q_lo, q_hi]`` the
+    regime selects exactly the keys of a :class:`Band` (a range of distances and of key
+    positions), or returns None where the selection is not one. On consecutive positions a band
+    splits into unmasked rectangles and causal triangles, which the fused kernels run without
+    any mask (see :func:`_add_band`).
     """
 
     name: str
@@ -82,6 +90,7 @@ class Regime:
     select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     classify: Callable[[int, int, int, int], int] | None = None
     key_map: str | None = None
+    band: Callable[[int, int], Band | None] | None = None
 
     @property
     def key_map_name(self) -> str:
@@ -89,6 +98,16 @@ class Regime:
 
 
 SKIP, FULL, PARTIAL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Band:
+    """Keys at distances ``lo <= p_q - p_k <= hi`` and positions ``first_key <= p_k <= last_key``."""
+
+    lo: int
+    hi: float = math.inf
+    first_key: int = 0
+    last_key: float = math.inf
 
 
 def _status(all_true: bool, none_true: bool) -> int:
@@ -213,6 +232,9 @@ class SelfExtendRemap(PositionRemap):
         def near_status(q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> int:
             return _status(q_hi < L0 or q_hi - k_lo < W, q_lo >= L0 and q_lo - k_hi >= W)
 
+        def near_band(q_lo: int, q_hi: int) -> Band | None:
+            return Band(0, W - 1) if q_lo >= L0 else Band(0) if q_hi < L0 else None
+
         def grouped(group: int) -> Regime:
             def select(pq: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
                 return ~near(pq, pk) & (self._groups(pq) == group)
@@ -221,6 +243,10 @@ class SelfExtendRemap(PositionRemap):
                 far = {FULL: SKIP, SKIP: FULL, PARTIAL: PARTIAL}[near_status(q_lo, q_hi, k_lo, k_hi)]
                 lo, hi = self.group_for(max(q_lo, L0)), self.group_for(max(q_hi, L0))
                 return _both(far, _status(lo == hi == group, group < lo or group > hi))
+
+            def band(q_lo: int, q_hi: int) -> Band | None:
+                inside = q_lo >= L0 and self.group_for(q_lo) == self.group_for(q_hi) == group
+                return Band(W) if inside else None
 
             if self.far_positions == "by-parts":
                 keep = self.keep_fraction(inv_freq, group)  # (rd/2,) float64
@@ -232,6 +258,7 @@ class SelfExtendRemap(PositionRemap):
                     lambda p: p[..., None].to(torch.float64) * keep,
                     select,
                     status,
+                    band=band,
                 )
             return Regime(
                 f"grouped/{group}",
@@ -239,11 +266,12 @@ class SelfExtendRemap(PositionRemap):
                 lambda p: torch.div(p, group, rounding_mode="floor"),
                 select,
                 status,
+                band=band,
             )
 
         first = self.group_for(L0)
         last = self.group_for(max(max_position, L0))
-        return [Regime("neighbor", None, None, near, near_status)] + [grouped(g) for g in range(first, last + 1)]
+        return [Regime("neighbor", None, None, near, near_status, band=near_band)] + [grouped(g) for g in range(first, last + 1)]
 
     def max_distance(self, length: int) -> int:
         last = length - 1
@@ -295,10 +323,21 @@ class DualChunkRemap(PositionRemap):
 
             return status
 
+        def chunk_band(offset_lo: int, offset_hi: int):
+            # Queries of one chunk c beyond L0: keys of chunks c + offset_lo ... c + offset_hi.
+            def band(q_lo: int, q_hi: int) -> Band | None:
+                if q_lo < L0 or q_lo // s != q_hi // s:
+                    return None
+                return Band(0, math.inf, max(0, (q_lo // s + offset_lo) * s), (q_lo // s + offset_hi + 1) * s - 1)
+
+            return band
+
         huge = 1 << 62
         return [
-            Regime("native", None, None, lambda pq, pk: ~far(pq), lambda q_lo, q_hi, k_lo, k_hi: _status(q_hi < L0, q_lo >= L0)),
-            Regime("intra", within, within, lambda pq, pk: far(pq) & (chunk(pk) == chunk(pq)), chunk_status(0, 0), "within"),
+            Regime("native", None, None, lambda pq, pk: ~far(pq), lambda q_lo, q_hi, k_lo, k_hi: _status(q_hi < L0, q_lo >= L0),
+                   band=lambda q_lo, q_hi: Band(0) if q_hi < L0 else None),
+            Regime("intra", within, within, lambda pq, pk: far(pq) & (chunk(pk) == chunk(pq)), chunk_status(0, 0), "within",
+                   chunk_band(0, 0)),
             Regime(
                 "successive",
                 lambda p: torch.clamp(within(p) + s, max=s + w),
@@ -306,6 +345,7 @@ class DualChunkRemap(PositionRemap):
                 lambda pq, pk: far(pq) & (chunk(pk) == chunk(pq) - 1),
                 chunk_status(-1, -1),
                 "within",
+                chunk_band(-1, -1),
             ),
             Regime(
                 "inter",
@@ -314,6 +354,7 @@ class DualChunkRemap(PositionRemap):
                 lambda pq, pk: far(pq) & (chunk(pk) < chunk(pq) - 1),
                 chunk_status(-huge, -2),
                 "within",
+                chunk_band(-huge, -2),
             ),
         ]
 
@@ -488,12 +529,18 @@ def _shift(position_map: Callable[[torch.Tensor], torch.Tensor], positions: torc
 
 
 def _partial_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a subset of keys: ``(output (B, H, C, D), log-sum-exp (B, H, C) float32)``.
 
     ``key``/``value`` have ``Hkv`` heads, ``H`` a multiple of it (grouped-query attention: query
-    head ``h`` reads key head ``h // (H / Hkv)``). ``allowed`` (B, 1, C, K) bool or None (all).
+    head ``h`` reads key head ``h // (H / Hkv)``). ``allowed`` (B, 1, C, K) bool or None (all);
+    ``causal`` (with ``allowed`` None and ``C == K``): row ``a`` reads keys ``0 ... a`` only.
     Rows with no allowed key get output 0 and log-sum-exp ``-inf``, so they drop out of the merge.
 
     Inference on CPU and CUDA uses PyTorch's fused kernels that return the log-sum-exp (the CPU
@@ -504,10 +551,15 @@ def _partial_attention(
     global _FUSED_CUDA_FAILED
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     fused = not needs_grad and (query.device.type == "cpu" or (query.device.type == "cuda" and not _FUSED_CUDA_FAILED))
+    if causal:
+        if allowed is not None or query.shape[2] != key.shape[2]:
+            raise ValueError("a causal tile takes no mask and as many keys as queries")
+        if not fused:  # the explicit computation takes the triangle as a mask
+            allowed = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()[None, None]
     output = None
     if fused:
         try:
-            output, lse = _fused_partial_attention(query, key, value, allowed, scaling)
+            output, lse = _fused_partial_attention(query, key, value, allowed, scaling, causal)
         except RuntimeError as error:
             if query.device.type != "cuda":
                 raise
@@ -526,12 +578,35 @@ def _partial_attention(
 
 
 def _fused_partial_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_partial_attention` through a fused kernel (CPU or CUDA, no gradient)."""
     batch, heads, rows, dim = query.shape
     repeat = heads // key.shape[1]
     on_cuda = query.device.type == "cuda"
+    if causal:
+        # the kernels' own triangle (square tiles: top-left and bottom-right alignment agree);
+        # folding heads into rows would break it, so the tile's keys are copied per query head
+        if repeat > 1:
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        if not on_cuda:
+            output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, True, attn_mask=None, scale=scaling
+            )[:2]
+        elif query.dtype in (torch.float16, torch.bfloat16) and dim <= 256:
+            output, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, 0.0, True, False, scale=scaling
+            )[:2]
+        else:
+            output, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, None, True, 0.0, True, scale=scaling
+            )[:2]
+        return output, lse[..., :rows].float()
     if allowed is None:
         # the query heads of one key head become rows of one head: no copy of the keys
         folded = query.reshape(batch, heads // repeat, repeat * rows, dim)
@@ -595,15 +670,19 @@ class _Accumulator:
         self.parts.append((output, lse))
 
     def result(self) -> torch.Tensor:
+        return self.merged()[0]
+
+    def merged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The merged output and its log-sum-exp over all parts."""
         if len(self.parts) == 1:
-            return self.parts[0][0]
+            return self.parts[0]
         lses = torch.stack([lse for _, lse in self.parts])  # (P, B, H, C)
         total = torch.logsumexp(lses, dim=0)
         weights = torch.exp(lses - total.nan_to_num(neginf=0.0)).nan_to_num(nan=0.0)  # rows with no key: 0
         merged = self.parts[0][0].float() * weights[0][..., None]
         for (output, _), weight in zip(self.parts[1:], weights[1:]):
             merged.add_(output.float() * weight[..., None])
-        return merged
+        return merged, total
 
 
 def _runs(status: list[int]) -> list[tuple[int, int, int]]:
@@ -663,7 +742,8 @@ def remapped_attention(
     regimes = (
         remap.regimes(q_hi, inv_freq)
         if remap is not None
-        else [Regime("plain", None, None, lambda pq, pk: pk <= pq, lambda q_lo, q_hi, k_lo, k_hi: FULL)]
+        else [Regime("plain", None, None, lambda pq, pk: pk <= pq, lambda q_lo, q_hi, k_lo, k_hi: FULL,
+                     band=lambda q_lo, q_hi: Band(0))]
     )
     # Only the regimes some pair of this call can use: a decode step beyond L0 needs its own
     # group's keys, not every group's (each would re-rotate the whole cache).
@@ -678,6 +758,9 @@ def remapped_attention(
         if regime.key_map_name not in by_map:
             by_map[regime.key_map_name] = _apply_rotation(key, *tables.get(regime, key_positions, inv_freq))
         rotated_keys.append(by_map[regime.key_map_name])
+    # Consecutive positions, the same in every row (no gaps, no padding): a regime that is a band
+    # of distances needs no mask there (see _add_band).
+    consecutive = _consecutive(query_host) and _consecutive(key_host)
     default_chunk = QUERY_CHUNK_CUDA if query.device.type == "cuda" else QUERY_CHUNK
     chunk = max(1, min(query_len, query_chunk or default_chunk))
     starts = list(range(0, query_len, chunk))
@@ -705,7 +788,11 @@ def remapped_attention(
             if regime.classify is not None and regime.classify(chunk_lo, chunk_hi, k_lo, k_hi) == SKIP:
                 continue  # e.g. the groups of later queries
             qr = q if regime.query_position is None else _rotate(q, _shift(regime.query_position, pq), inv_freq)
-            _add_regime(accumulator, regime, qr, keys, value, pq, key_positions, base, tiles, scaling)
+            band = regime.band(chunk_lo, chunk_hi) if consecutive and base is None and regime.band is not None else None
+            if band is not None:
+                _add_band(accumulator, qr, keys, value, band, chunk_lo, k_lo, scaling)
+            else:
+                _add_regime(accumulator, regime, qr, keys, value, pq, key_positions, base, tiles, scaling)
         outputs.append(accumulator.result().to(query.dtype))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
@@ -795,6 +882,82 @@ def _add_regime(
                 mask = _regime_mask(regime, pq, pk[:, lo:hi], None if base is None else base[..., lo:hi])
             output, lse = _partial_attention(query, key[:, :, lo:hi], value[:, :, lo:hi], mask, scaling)
             accumulator.add(output, lse)
+
+
+def _consecutive(positions: torch.Tensor) -> bool:
+    """Whether host ``positions`` (B, N) are ``p, p + 1, ...`` in every row alike."""
+    row = positions[0]
+    return bool((positions == row).all()) and bool((row[1:] - row[:-1] == 1).all())
+
+
+def _add_band(
+    accumulator: _Accumulator,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    band: Band,
+    first_query: int,
+    first_key: int,
+    scaling: float,
+) -> None:
+    """Add a regime that selects the keys of ``band``: distances ``lo <= p_q - p_k <= hi``, key
+    positions in ``[band.first_key, band.last_key]``.
+
+    Query row ``a`` sits at position ``first_query + a`` and key column ``c`` at ``first_key + c``.
+    For a run of ``n <= hi - lo`` rows starting at position ``s`` the band is three tiles:
+
+        keys [s - hi, s - hi + n):      row a reads column c >= a    (a causal triangle, mirrored)
+        keys [s - hi + n, s - lo):      every row reads every key    (a rectangle)
+        keys [s - lo, s - lo + n):      row a reads column c <= a    (a causal triangle)
+
+    (``hi`` infinite: the rectangle starts at the first key and there is no mirrored triangle.)
+    Reversing the rows and columns of the first tile makes it a causal one, so every tile runs
+    in the fused kernels without a mask; wider query chunks are cut into such runs. Each tile
+    keeps the keys inside the band's positions that exist; a triangle cut there falls back to
+    a mask.
+    """
+    lo, hi = band.lo, band.hi
+    rows = query.shape[2]
+    key_end = min(first_key + key.shape[2], band.last_key + 1)
+    key_start = max(first_key, band.first_key)
+    width = None if hi == math.inf else int(hi) - lo  # a band of one distance (width 0): one triangle
+    runs = 1 if width is None else -(-rows // max(1, width))
+    step = -(-rows // runs)  # runs of equal size: no sliver of a few rows left at the end
+    outputs, lses = [], []
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        s = first_query + start
+        q = query[:, :, start : start + count]
+        tiles = [(s - lo, s - lo + count, "causal")]
+        if width is None:
+            tiles.append((first_key, s - lo, "all"))
+        elif width > 0:
+            tiles += [(s - lo - width + count, s - lo, "all"), (s - lo - width, s - lo - width + count, "mirrored")]
+        parts = _Accumulator()
+        for tile_start, tile_stop, kind in tiles:
+            begin, stop = max(tile_start, key_start), min(tile_stop, key_end)
+            if begin >= stop:
+                continue
+            k, v = key[:, :, begin - first_key : stop - first_key], value[:, :, begin - first_key : stop - first_key]
+            if kind == "all":
+                parts.add(*_partial_attention(q, k, v, None, scaling))
+            elif (begin, stop) != (tile_start, tile_stop):
+                distance = torch.arange(s, s + count)[:, None] - torch.arange(begin, stop)[None]
+                mask = ((distance >= lo) & (distance <= hi))[None, None].to(query.device)
+                parts.add(*_partial_attention(q, k, v, mask, scaling))
+            elif kind == "causal":
+                parts.add(*_partial_attention(q, k, v, None, scaling, causal=True))
+            else:
+                output, lse = _partial_attention(q.flip(2), k.flip(2), v.flip(2), None, scaling, causal=True)
+                parts.add(output.flip(2), lse.flip(-1))
+        if parts.parts:
+            output, lse = parts.merged()
+        else:  # no key of the band exists for these rows
+            output = q.new_zeros(q.shape, dtype=torch.float32)
+            lse = torch.full(q.shape[:3], -math.inf, device=q.device)
+        outputs.append(output.float())
+        lses.append(lse)
+    accumulator.add(torch.cat(outputs, dim=2), torch.cat(lses, dim=-1))
 
 
 def _refines_masks(device: torch.device) -> bool:

@@ -8,6 +8,9 @@ compared on the same inputs (run it with PYTHONPATH pointing at each checkout, a
 
     PYTHONPATH=/path/to/old/checkout python scripts/time_remapped_attention.py self-extend
     PYTHONPATH=. python scripts/time_remapped_attention.py self-extend --device cuda --dtype bf16
+
+`--count-tiles` times nothing: it counts the fused-kernel calls one call makes with CUDA's query
+chunks, and how many of them take a mask (runs anywhere, in seconds).
 """
 
 from __future__ import annotations
@@ -36,6 +39,32 @@ def best_time(run, repeats: int, device: torch.device) -> tuple[float, torch.Ten
     return best, output
 
 
+def count_tiles(method: str, tokens: int, remap) -> None:
+    """Print how many fused-kernel calls one attention call makes on CUDA, how many take a mask, and
+    the share of score elements in masked calls (the memory-efficient kernel with a bias)."""
+    calls = []
+    partial = attention._partial_attention
+
+    def counted(query, key, value, allowed, *args, **kwargs):
+        calls.append((allowed is not None, query.shape[2] * key.shape[2]))
+        return partial(query, key, value, allowed, *args, **kwargs)
+
+    # this process only: the counting wrapper and CUDA's choices (query chunks, masks per run)
+    attention._partial_attention = counted
+    attention._refines_masks = lambda device: False
+    tiny = torch.zeros(1, 1, tokens, 2)
+    positions = torch.arange(tokens)[None]
+    with torch.no_grad():
+        attention.remapped_attention(
+            tiny, tiny, tiny, query_positions=positions, key_positions=positions, allowed=lambda a, b: None,
+            remap=remap, inv_freq=torch.ones(1, dtype=torch.float64), scaling=1.0, query_chunk=attention.QUERY_CHUNK_CUDA,
+        )
+    masked = sum(size for is_masked, size in calls if is_masked)
+    total = sum(size for _, size in calls)
+    print(f"{method} {tokens} tokens, CUDA query chunks: {len(calls)} kernel calls, "
+          f"{sum(is_masked for is_masked, _ in calls)} with a mask, {masked / total:.1%} of the score elements masked")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("method", choices=METHODS)
@@ -43,6 +72,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    parser.add_argument("--count-tiles", action="store_true",
+                        help="time nothing: count the kernel calls one call makes with CUDA's query chunks (any device)")
     args = parser.parse_args()
     original = 8192
     if args.tokens <= original or args.repeats < 1:
@@ -55,6 +86,9 @@ def main() -> None:
         params.update(neighbor_window=original // 4, far_positions="by-parts")
     make = attention.dual_chunk_remap if args.method == "dual-chunk" else attention.self_extend_remap
     remap = make(params)
+    if args.count_tiles:
+        count_tiles(args.method, args.tokens, remap)
+        return
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
     query = torch.randn(1, 9, args.tokens, 64).to(device, dtype)

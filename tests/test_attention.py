@@ -485,21 +485,20 @@ def test_dual_chunk_query_chunks_are_cut_at_chunk_starts():
 
 
 @pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "dual-chunk", "logn only"])
-@pytest.mark.parametrize("padded", [False, True])
-def test_masks_built_per_run_give_the_per_block_result(method, padded, monkeypatch):
+def test_masks_built_per_run_give_the_per_block_result(method, monkeypatch):
     """On CUDA undecided key blocks are not checked one by one (that would wait for the device per
-    block): one mask per run of blocks. Forced here on the CPU, with and without a padding mask, it
-    gives the per-block result."""
+    block): one mask per run of blocks. Forced here on the CPU with a padding mask, it gives the
+    per-block result. (Without padding no remap needs a mask at all: see
+    test_band_regimes_need_no_mask_and_match_the_masked_path.)"""
     length = 90
     query, key, value, positions = kernel_inputs(length)
     remap = KERNEL_REMAPS[method]
     padding = torch.ones(2, length, dtype=torch.bool)
-    if padded:
-        padding[1, :7] = False  # left padding on the second row
+    padding[1, :7] = False  # left padding on the second row
     causal = positions[0][None, :] <= positions[0][:, None]
 
     def allowed(start, end):
-        return (causal[None, None, start:end] & padding[:, None, None, :]) if padded else None
+        return causal[None, None, start:end] & padding[:, None, None, :]
 
     theta = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
     common = dict(query_positions=positions, key_positions=positions, allowed=allowed, remap=remap, inv_freq=theta,
@@ -508,19 +507,55 @@ def test_masks_built_per_run_give_the_per_block_result(method, padded, monkeypat
     per_block = attention_level.remapped_attention(query, key, value, query_chunk=11, **common)
     calls = []
     original = attention_level._partial_attention
-    monkeypatch.setattr(attention_level, "_partial_attention", lambda *a: calls.append(a[3] is not None) or original(*a))
+    monkeypatch.setattr(attention_level, "_partial_attention", lambda *a, **kw: calls.append(a[3] is not None) or original(*a, **kw))
     monkeypatch.setattr(attention_level, "_refines_masks", lambda device: False)
     monkeypatch.setattr(attention_level, "MASKED_RUN_BLOCKS", 2)  # long masked runs go in pieces
     per_run = attention_level.remapped_attention(query, key, value, query_chunk=11, **common)
     torch.testing.assert_close(per_run, per_block, atol=1e-5, rtol=1e-5)
-    assert True in calls and (padded or False in calls)  # masked runs, and unmasked ones where positions decide
+    assert True in calls  # masked runs
+
+
+@pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts", "self-extend W=1", "dual-chunk", "logn only"])
+@pytest.mark.parametrize("first_position", [0, 30])
+def test_band_regimes_need_no_mask_and_match_the_masked_path(method, first_position, monkeypatch):
+    """Without padding, the regimes of self-extend and dual chunk and plain attention are bands of
+    distances and key positions: they run as causal triangles and rectangles without any mask
+    (chunks of 11 queries, cut into runs no wider than the band), and give what the masked tiles
+    give for the same causal structure (with a gradient, through the explicit computation).
+    Positions starting at 30 cut the first triangles of the 8-token window (L0 = 32: they would
+    start at 32 - 7 and 32 - 8), which fall back to a mask; the 1-token window's, dual chunk's
+    (its triangles start at the query) and plain attention's are never cut."""
+    remaps = {**KERNEL_REMAPS, "self-extend W=1": attention_level.SelfExtendRemap(None, 1, L0)}
+    remap = remaps[method]
+    torch.manual_seed(0)
+    length = 90
+    query = torch.randn(2, 4, length, 16, requires_grad=True)
+    key, value = torch.randn(2, 2, length, 16), torch.randn(2, 2, length, 16)
+    positions = torch.arange(first_position, first_position + length)[None]
+    causal = positions[0][None, :] <= positions[0][:, None]
+    theta = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    common = dict(query_positions=positions, key_positions=positions, remap=remap, inv_freq=theta, scaling=0.25,
+                  logn_length=L0 if remap is None else None, query_chunk=11)
+    masked = attention_level.remapped_attention(
+        query, key, value, allowed=lambda start, end: causal[None, None, start:end].expand(2, 1, -1, -1), **common
+    )
+    calls = []
+    original = attention_level._partial_attention
+    monkeypatch.setattr(attention_level, "_partial_attention",
+                        lambda *a, **kw: calls.append((a[3] is not None, kw.get("causal", False))) or original(*a, **kw))
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            banded = attention_level.remapped_attention(query, key, value, allowed=lambda start, end: None, **common)
+        torch.testing.assert_close(banded, masked, atol=1e-5, rtol=1e-5)
+    assert banded.requires_grad
+    assert (False, True) in calls  # causal triangles ran
+    assert ((True, False) in calls) == (first_position > 0 and method in ("self-extend", "self-extend by-parts"))
 
 
 @pytest.mark.parametrize("method", ["self-extend", "self-extend by-parts W=2048", "dual-chunk"])
-def test_unpadded_masked_runs_fit_in_one_piece_at_64k(method, monkeypatch):
-    """The cap on masked runs (MASKED_RUN_BLOCKS) binds only with padding: at 64k with SmolLM2's L0
-    and each remap's default parameters, the CUDA query chunks make no more masked calls with the
-    cap than without it."""
+def test_unpadded_remaps_make_no_masked_call_at_64k(method, monkeypatch):
+    """At 64k with SmolLM2's L0 and each remap's default parameters, the CUDA query chunks make no
+    masked call at all: every tile is a rectangle or a causal triangle of the fused kernels."""
     original, length = 8192, 65536
     params = {"original_max_position_embeddings": original, "factor": length / original}
     if method == "self-extend by-parts W=2048":
@@ -528,24 +563,18 @@ def test_unpadded_masked_runs_fit_in_one_piece_at_64k(method, monkeypatch):
     remap = (attention_level.dual_chunk_remap if method == "dual-chunk" else attention_level.self_extend_remap)(params)
     tiny = torch.zeros(1, 1, length, 2)
     positions = torch.arange(length)[None]
-    monkeypatch.setattr(attention_level, "_refines_masks", lambda device: False)
+    calls = []
     original_call = attention_level._partial_attention
-
-    def masked_calls(cap: int) -> int:
-        calls = []
-        monkeypatch.setattr(attention_level, "MASKED_RUN_BLOCKS", cap)
-        monkeypatch.setattr(attention_level, "_partial_attention", lambda *a: calls.append(a[3] is not None) or original_call(*a))
-        with torch.no_grad():
-            attention_level.remapped_attention(
-                tiny, tiny, tiny, query_positions=positions, key_positions=positions, allowed=lambda a, b: None,
-                remap=remap, inv_freq=torch.ones(1, dtype=torch.float64), scaling=1.0,
-                query_chunk=attention_level.QUERY_CHUNK_CUDA,
-            )
-        return sum(calls)
-
-    capped = masked_calls(attention_level.MASKED_RUN_BLOCKS)
-    assert capped > 0 and capped == masked_calls(10**9)
-    assert masked_calls(2) > capped  # a smaller cap does cut these runs
+    monkeypatch.setattr(attention_level, "_partial_attention",
+                        lambda *a, **kw: calls.append((a[3] is not None, kw.get("causal", False))) or original_call(*a, **kw))
+    with torch.no_grad():
+        attention_level.remapped_attention(
+            tiny, tiny, tiny, query_positions=positions, key_positions=positions, allowed=lambda a, b: None,
+            remap=remap, inv_freq=torch.ones(1, dtype=torch.float64), scaling=1.0,
+            query_chunk=attention_level.QUERY_CHUNK_CUDA,
+        )
+    assert calls and not any(masked for masked, _ in calls)
+    assert sum(causal for _, causal in calls) > length // attention_level.QUERY_CHUNK_CUDA
 
 
 def test_cut_query_chunks_give_the_unchunked_result():
