@@ -594,34 +594,12 @@ def _fused_partial_attention(
         # folding heads into rows would break it, so the tile's keys are copied per query head
         if repeat > 1:
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-        if not on_cuda:
-            output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, 0.0, True, attn_mask=None, scale=scaling
-            )[:2]
-        elif query.dtype in (torch.float16, torch.bfloat16) and dim <= 256:
-            output, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-                query, key, value, 0.0, True, False, scale=scaling
-            )[:2]
-        else:
-            output, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-                query, key, value, None, True, 0.0, True, scale=scaling
-            )[:2]
+        output, lse = _unmasked_kernel(query, key, value, scaling, causal=True)
         return output, lse[..., :rows].float()
     if allowed is None:
         # the query heads of one key head become rows of one head: no copy of the keys
         folded = query.reshape(batch, heads // repeat, repeat * rows, dim)
-        if not on_cuda:
-            output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                folded, key, value, 0.0, False, attn_mask=None, scale=scaling
-            )[:2]
-        elif query.dtype in (torch.float16, torch.bfloat16) and dim <= 256:
-            output, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-                folded, key, value, 0.0, False, False, scale=scaling
-            )[:2]
-        else:
-            output, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-                folded, key, value, None, True, 0.0, False, scale=scaling
-            )[:2]
+        output, lse = _unmasked_kernel(folded, key, value, scaling, causal=False)
         lse = lse[..., : repeat * rows]  # the CUDA memory-efficient kernel pads its rows to a multiple of 32
         return output.reshape(batch, heads, rows, dim), lse.reshape(batch, heads, rows).float()
     # a masked tile: its keys are copied per query head (the mask cannot follow a fold)
@@ -642,6 +620,22 @@ def _fused_partial_attention(
             query, key, value, 0.0, False, attn_mask=bias, scale=scaling
         )[:2]
     return output, lse.float()
+
+
+def _unmasked_kernel(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output, log-sum-exp)`` of PyTorch's fused kernel for an unmasked or causal tile: the CPU
+    flash kernel, FlashAttention-2 on CUDA for bf16/fp16, the memory-efficient kernel otherwise."""
+    if query.device.type != "cuda":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, attn_mask=None, scale=scaling
+        )[:2]
+    if query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, False, scale=scaling)[:2]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, None, True, 0.0, causal, scale=scaling
+    )[:2]
 
 
 def _explicit_partial_attention(
