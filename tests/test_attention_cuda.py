@@ -31,21 +31,23 @@ def softmax_reference(query, key, value, allowed, scaling):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("masked", [False, True])
-def test_fused_cuda_kernels_match_a_float64_softmax(dtype, masked):
+@pytest.mark.parametrize("tile", ["all", "masked", "causal"])
+def test_fused_cuda_kernels_match_a_float64_softmax(dtype, tile):
     # 9 query heads on 3 key heads (SmolLM2's grouping), rows and keys not multiples of 16 or 32
     generator = torch.Generator().manual_seed(0)
+    keys = 70 if tile == "causal" else 100  # a causal tile is square
     query = torch.randn(1, 9, 70, 64, generator=generator)
-    key, value = torch.randn(1, 3, 100, 64, generator=generator), torch.randn(1, 3, 100, 64, generator=generator)
+    key, value = torch.randn(1, 3, keys, 64, generator=generator), torch.randn(1, 3, keys, 64, generator=generator)
     allowed = None
-    if masked:
-        allowed = torch.rand(1, 1, 70, 100, generator=generator) < 0.6
+    if tile == "masked":
+        allowed = torch.rand(1, 1, 70, keys, generator=generator) < 0.6
         allowed[:, :, 5] = False  # a row with no key at all
-    expected_output, expected_lse = softmax_reference(query, key, value, allowed, 0.125)
+    triangle = torch.ones(70, 70, dtype=torch.bool).tril()[None, None]
+    expected_output, expected_lse = softmax_reference(query, key, value, triangle if tile == "causal" else allowed, 0.125)
     cuda = [x.to("cuda", dtype) for x in (query, key, value)]
     with torch.no_grad():
         output, lse = attention_level._partial_attention(
-            *cuda, None if allowed is None else allowed.cuda(), 0.125
+            *cuda, None if allowed is None else allowed.cuda(), 0.125, causal=tile == "causal"
         )
     assert not attention_level._FUSED_CUDA_FAILED, "a fused CUDA kernel refused the call"
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
