@@ -927,7 +927,9 @@ def _add_band(
             tiles.append((first_key, s - lo, "all"))
         elif width > 0:
             tiles += [(s - lo - width + count, s - lo, "all"), (s - lo - width, s - lo - width + count, "mirrored")]
-        parts = _Accumulator()
+        # one run covers the whole chunk: its tiles go straight into the chunk's merge
+        parts = accumulator if step == rows else _Accumulator()
+        before = len(parts.parts)
         for tile_start, tile_stop, kind in tiles:
             begin, stop = max(tile_start, key_start), min(tile_stop, key_end)
             if begin >= stop:
@@ -944,11 +946,11 @@ def _add_band(
             else:
                 output, lse = _partial_attention(q.flip(2), k.flip(2), v.flip(2), None, scaling, causal=True)
                 parts.add(output.flip(2), lse.flip(-1))
-        if parts.parts:
-            output, lse = parts.merged()
-        else:  # no key of the band exists for these rows
-            output = q.new_zeros(q.shape, dtype=torch.float32)
-            lse = torch.full(q.shape[:3], -math.inf, device=q.device)
+        if len(parts.parts) == before:  # no key of the band exists for these rows
+            parts.add(q.new_zeros(q.shape, dtype=torch.float32), torch.full(q.shape[:3], -math.inf, device=q.device))
+        if parts is accumulator:
+            return
+        output, lse = parts.merged()
         outputs.append(output.float())
         lses.append(lse)
     accumulator.add(torch.cat(outputs, dim=2), torch.cat(lses, dim=-1))
