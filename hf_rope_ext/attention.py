@@ -22,9 +22,10 @@ Memory: the queries are processed in chunks and each regime's keys in blocks; pa
 results are merged with their log-sum-exp, as flash attention does, so no ``T x T`` score
 matrix is ever held (PyTorch's fused kernels that return the log-sum-exp compute each run of
 blocks on CPU and CUDA; training and other devices use an explicit float32 computation).
-Where a regime selects a band of distances (self-extend's neighbour and far regimes, plain
-attention) and positions are consecutive without padding, its keys split into rectangles and
-causal triangles, so the fused kernels run every tile without a mask (:func:`_add_band`).
+Where a regime selects a band of distances and key positions (every regime of self-extend and
+dual chunk, and plain attention) and positions are consecutive without padding, its keys split
+into rectangles and causal triangles, so the fused kernels run every tile without a mask
+(:func:`_add_band`).
 
 The model is switched to this attention by a per-instance entry in transformers'
 ``AttentionInterface`` / ``AttentionMaskInterface`` registries (the documented extension points):
