@@ -60,8 +60,8 @@ QUERY_CHUNK = 512
 # and host round trips per tile: larger query chunks, and masks built per run of blocks.
 QUERY_CHUNK_CUDA = 4096
 # Key blocks per masked call there: a mask's position temporaries (int64, query chunk x keys) stay
-# near 256 MiB even when a padding mask leaves every block undecided; without padding, the
-# undecided bands of the remaps (window plus chunk) fit in one call.
+# near 256 MiB even when a padding mask leaves every block undecided (without padding, the
+# remaps' regimes are bands and take no mask: see _add_band).
 MASKED_RUN_BLOCKS = 16
 # Set once a fused CUDA kernel refuses a call (see _partial_attention).
 _FUSED_CUDA_FAILED = False
