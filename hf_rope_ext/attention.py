@@ -27,6 +27,11 @@ dual chunk, and plain attention) and positions are consecutive without padding, 
 into rectangles and causal triangles, so the fused kernels run every tile without a mask
 (:func:`_add_band`).
 
+Sliding windows and packed sequences read what transformers' path for the model's own
+implementation reads: ``sdpa`` and ``eager`` masks carry both; flash attention's masks (None
+or padding) carry neither, so its ``sliding_window`` argument narrows every regime, and packed
+sequences (position ids restarting, or ``cu_seq_lens_q``) are computed one by one.
+
 The model is switched to this attention by a per-instance entry in transformers'
 ``AttentionInterface`` / ``AttentionMaskInterface`` registries (the documented extension points):
 a unique name is registered for each patched model, written to ``config._attn_implementation``,
@@ -38,7 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -705,6 +710,7 @@ def remapped_attention(
     logn_length: int | None = None,
     query_chunk: int | None = None,
     key_rotations: KeyRotationTables | None = None,
+    max_distance: int | None = None,
 ) -> torch.Tensor:
     """Attention with remapped relative positions; returns ``(B, C, H, D)`` like transformers' functions.
 
@@ -720,6 +726,8 @@ def remapped_attention(
         scaling: the softmax scale (1 / sqrt(head_dim)).
         logn_length: if set, ``L0`` of the log-n attention temperature.
         key_rotations: tables kept across the layers of one forward (a model's patch holds one).
+        max_distance: if set, a sliding window: only keys at most this many positions before the
+            query (true positions) are read, on top of ``allowed``.
     """
     batch, heads, query_len, _ = query.shape
     if heads % key.shape[1]:
@@ -740,6 +748,8 @@ def remapped_attention(
         else [Regime("plain", None, None, lambda pq, pk: pk <= pq, lambda q_lo, q_hi, k_lo, k_hi: FULL,
                      band=lambda q_lo, q_hi: Band(0))]
     )
+    if max_distance is not None and q_hi - k_lo > max_distance:  # the window cuts some pair
+        regimes = [_within_distance(regime, max_distance) for regime in regimes]
     # Only the regimes some pair of this call can use: a decode step beyond L0 needs its own
     # group's keys, not every group's (each would re-rotate the whole cache).
     regimes = [r for r in regimes if r.classify is None or r.classify(q_lo, q_hi, k_lo, k_hi) != SKIP]
@@ -785,11 +795,33 @@ def remapped_attention(
             qr = q if regime.query_position is None else _rotate(q, _shift(regime.query_position, pq), inv_freq)
             band = regime.band(chunk_lo, chunk_hi) if consecutive and base is None and regime.band is not None else None
             if band is not None:
-                _add_band(accumulator, qr, keys, value, band, chunk_lo, k_lo, scaling)
+                if band.lo <= band.hi:  # else the window leaves this regime no key for these queries
+                    _add_band(accumulator, qr, keys, value, band, chunk_lo, k_lo, scaling)
             else:
                 _add_regime(accumulator, regime, qr, keys, value, pq, key_positions, base, tiles, scaling)
         outputs.append(accumulator.result().to(query.dtype))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def _within_distance(regime: Regime, max_distance: int) -> Regime:
+    """``regime`` restricted to pairs at most ``max_distance`` positions apart (a sliding window).
+
+    Its band narrows to distances ``<= max_distance`` (``lo > hi`` where none is left), so
+    windowed inputs keep the mask-free tiles."""
+
+    def select(pq, pk):
+        return regime.select(pq, pk) & (pq - pk <= max_distance)
+
+    def classify(q_lo, q_hi, k_lo, k_hi):
+        near = _status(q_hi - k_lo <= max_distance, q_lo - k_hi > max_distance)
+        return _both(PARTIAL if regime.classify is None else regime.classify(q_lo, q_hi, k_lo, k_hi), near)
+
+    def band(q_lo, q_hi):
+        inner = regime.band(q_lo, q_hi)
+        return None if inner is None else replace(inner, hi=min(inner.hi, max_distance))
+
+    return replace(regime, select=select, classify=classify, band=None if regime.band is None else band,
+                   key_map=regime.key_map_name)
 
 
 @dataclass(frozen=True)
@@ -1038,14 +1070,41 @@ class AttentionPatch:
         else:  # keys are the cached tokens followed by this call's
             query_slot, key_offset = key_len - query_len, 0
         key_positions = _key_positions(position_ids, query_slot, key_offset, key_len)
-        allowed = _mask_reader(attention_mask, query_len, key_len, position_ids, key_positions)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        output = remapped_attention(
+        # sdpa and eager masks carry the sliding window and packed sequences; flash attention's
+        # (None, or a padding mask) carry neither, its kernel takes them as arguments
+        flash_style = attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2)
+        window = kwargs.get("sliding_window") if flash_style else None
+        max_distance = None if window is None else int(window) - 1
+        bounds = None
+        if flash_style and attention_mask is None and self.original_implementation in FLASH_IMPLEMENTATIONS:
+            bounds = _packed_bounds(position_ids, kwargs, query_len, key_len)
+        if bounds is None:
+            allowed = _mask_reader(attention_mask, query_len, key_len, position_ids, key_positions)
+            output = self._remapped(query, key, value, position_ids, key_positions, allowed, remap, inv_freq,
+                                    key_rotations, scaling, max_distance)
+            return output, None
+        # Packed sequences: each is computed as if it were alone in its own forward (plain
+        # attention inside L0), with key tables of its own.
+        outputs = []
+        for start, stop in zip(bounds, bounds[1:]):
+            positions = position_ids[:, start:stop]
+            own_remap = remap if int(positions.max()) >= self.original_length else None
+            part = slice(start, stop)
+            outputs.append(self._remapped(
+                query[:, :, part], key[:, :, part], value[:, :, part], positions, positions,
+                lambda first, last: None, own_remap, inv_freq, None, scaling, max_distance,
+            ))
+        return torch.cat(outputs, dim=1), None
+
+    def _remapped(self, query, key, value, query_positions, key_positions, allowed, remap, inv_freq, key_rotations,
+                  scaling, max_distance):
+        return remapped_attention(
             query,
             key,
             value,
-            query_positions=position_ids,
+            query_positions=query_positions,
             key_positions=key_positions,
             allowed=allowed,
             remap=remap,
@@ -1053,8 +1112,8 @@ class AttentionPatch:
             scaling=scaling,
             logn_length=self.original_length if self.logn else None,
             key_rotations=key_rotations,
+            max_distance=max_distance,
         )
-        return output, None
 
     def mask(self, *args, **kwargs):
         """The mask function registered for this model: the original one, plus the cache geometry."""
@@ -1089,6 +1148,33 @@ def _key_positions(query_positions: torch.Tensor, query_slot: int, key_offset: i
         start = int(slots[first]) - query_slot
         positions[:, first : first + count] = query_positions[:, start : start + count].expand(batch, -1)
     return positions
+
+
+def _packed_bounds(position_ids: torch.Tensor, kwargs: Mapping[str, Any], query_len: int, key_len: int) -> list[int] | None:
+    """Where the packed sequences of a flash-attention call start, as transformers' flash path reads
+    them: ``cu_seq_lens_q`` if given, else every position equal to the row's smallest (batch 1);
+    None for one sequence."""
+    given = kwargs.get("cu_seq_lens_q")
+    if given is not None:
+        bounds = [int(b) for b in given.reshape(-1).tolist()]
+        other = kwargs.get("cu_seq_lens_k")
+        if other is not None and [int(b) for b in other.reshape(-1).tolist()] != bounds:
+            raise ValueError("attention-level methods need cu_seq_lens_k equal to cu_seq_lens_q (packed sequences "
+                             "without a cache); pass the same boundaries for both.")
+    elif position_ids.shape[0] == 1 and query_len > 1:
+        row = position_ids[0]
+        bounds = torch.nonzero(row == row.min()).reshape(-1).tolist() + [query_len]
+    else:
+        return None
+    if len(bounds) <= 2:
+        return None
+    if query_len != key_len or position_ids.shape[0] != 1 or bounds[0] != 0 or bounds[-1] != query_len or bounds != sorted(set(bounds)):
+        raise ValueError(
+            f"attention-level methods read packed sequences (boundaries {bounds[:4]}...) only in one row without a "
+            f"cache, covering all {query_len} tokens; got {position_ids.shape[0]} rows, {key_len} keys. Run packed "
+            "inputs without past_key_values, or load the model with attn_implementation='sdpa'."
+        )
+    return bounds
 
 
 def _mask_reader(attention_mask, query_len: int, key_len: int, query_positions, key_positions):
@@ -1133,6 +1219,7 @@ def _eager_attention():
 
 
 SUPPORTED_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 
 
 def install(

@@ -74,8 +74,10 @@ def _rotation(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
     return x * cos + turned * sin
 
 
-def naive_attention_factory(position_fn, theta: torch.Tensor, logn: bool = False):
-    """An attention function (transformers' signature) computing the reference in float64."""
+def naive_attention_factory(position_fn, theta: torch.Tensor, logn: bool = False, window: bool = False):
+    """An attention function (transformers' signature) computing the reference in float64;
+    ``window``: apply the sliding window transformers passes for the layer (keys less than
+    ``sliding_window`` tokens before the query)."""
 
     def naive(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         batch, heads, length, dim = query.shape
@@ -96,6 +98,8 @@ def naive_attention_factory(position_fn, theta: torch.Tensor, logn: bool = False
             factor = torch.tensor([max(1.0, math.log(i + 1) / math.log(L0)) for i in range(length)], dtype=torch.float64)
             scores = scores * factor[:, None]
         causal = torch.ones(length, length, dtype=torch.bool).tril()
+        if window and kwargs.get("sliding_window") is not None:
+            causal &= ~torch.ones(length, length, dtype=torch.bool).tril(-kwargs["sliding_window"])
         scores = scores.masked_fill(~causal, -math.inf)
         output = torch.matmul(scores.softmax(-1), value)
         return output.transpose(1, 2).to(torch.float32), None
@@ -103,12 +107,12 @@ def naive_attention_factory(position_fn, theta: torch.Tensor, logn: bool = False
     return naive
 
 
-def reference_logits(model, ids, position_fn, logn=False):
+def reference_logits(model, ids, position_fn, logn=False, window=False):
     """Logits of the unpatched model with the naive attention plugged in under a test-only name."""
-    return reference_logits_at(model, ids, None, position_fn, logn)
+    return reference_logits_at(model, ids, None, position_fn, logn, window=window)
 
 
-def reference_logits_at(model, ids, positions, position_fn, logn=False, theta=None):
+def reference_logits_at(model, ids, positions, position_fn, logn=False, theta=None, window=False):
     """:func:`reference_logits` with explicit position ids (``position_fn`` then works on indices);
     ``theta`` are the frequencies the model's rotary module uses (default: plain RoPE)."""
     rope = model.config.rope_parameters
@@ -116,7 +120,7 @@ def reference_logits_at(model, ids, positions, position_fn, logn=False, theta=No
     if theta is None:
         theta = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     name = "test_naive_reference"
-    AttentionInterface.register(name, naive_attention_factory(position_fn, theta, logn))
+    AttentionInterface.register(name, naive_attention_factory(position_fn, theta, logn, window))
     AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping["sdpa"])
     previous = model.config._attn_implementation
     model.config._attn_implementation = name
@@ -662,6 +666,123 @@ def test_position_ids_with_a_gap_are_honoured():
     with torch.no_grad():
         actual = model(ids, position_ids=positions).logits
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sliding windows and packed sequences, in every attention implementation
+# ----------------------------------------------------------------------------------------------
+
+SLIDING_WINDOW = 24  # < L0: the window cuts pairs inside and beyond the native context
+
+
+def _as_flash_attention(model):
+    """The model as transformers' flash-attention path calls it: masks that are None or a padding
+    mask, the window and packed sequences passed as arguments. Beyond ``L0`` the patched attention
+    never calls the flash kernel, so this runs on any device (calls inside ``L0`` would need it)."""
+    model.config._attn_implementation = "flash_attention_2"
+    return model
+
+
+SLIDING_MODELS = {
+    "mistral": dict(sliding_window=SLIDING_WINDOW),  # every layer
+    "qwen2": dict(use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1),  # layer 1 only
+}
+
+
+@pytest.mark.parametrize("case", ["self-extend", "dual-chunk"])
+@pytest.mark.parametrize("implementation", ["eager", "sdpa", "flash_attention_2"])
+@pytest.mark.parametrize("sliding_family", list(SLIDING_MODELS))
+def test_sliding_window_matches_naive_reference(sliding_family, implementation, case):
+    """A sliding-window model reads only its window, whichever implementation computes it."""
+    model = make_model(sliding_family, attn_implementation="eager" if implementation == "eager" else "sdpa",
+                       **SLIDING_MODELS[sliding_family])
+    ids = random_ids(LENGTH)
+    params, position_fn = PAPER_CASES[case]
+    # the reference's window is transformers' own: unpatched, it gives the model's logits
+    with torch.no_grad():
+        unpatched = model(ids).logits
+    torch.testing.assert_close(reference_logits(model, ids, lambda i, j: (i, j), window=True), unpatched,
+                               atol=2e-5, rtol=1e-4)
+    expected = reference_logits(model, ids, position_fn, window=True)
+    unwindowed = reference_logits(model, ids, position_fn)
+    assert (expected[:, SLIDING_WINDOW:] - unwindowed[:, SLIDING_WINDOW:]).abs().max() > 1e-2
+    if implementation == "flash_attention_2":
+        _as_flash_attention(model)
+    patch_model(model, scale=4, method=case, **params)
+    with torch.no_grad():
+        actual = model(ids).logits
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk"])
+def test_flash_attention_padding_mask_with_a_window_equals_sdpa(method):
+    """Flash attention's padding mask (B, T) with the window as an argument reads what sdpa's
+    4-D mask allows, row by row (left padding; transformers gives both the same positions)."""
+    ids = random_ids(LENGTH, batch=2)
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0
+    outputs = []
+    for flash in (False, True):
+        model = make_model("mistral", attn_implementation="sdpa", sliding_window=SLIDING_WINDOW)
+        if flash:
+            _as_flash_attention(model)
+        patch_model(model, scale=4, method=method)
+        with torch.no_grad():
+            outputs.append(model(ids, attention_mask=mask).logits)
+    torch.testing.assert_close(outputs[1][0, 9:], outputs[0][0, 9:], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(outputs[1][1], outputs[0][1], atol=2e-5, rtol=1e-4)
+
+
+def test_flash_attention_with_a_window_generates_as_a_full_forward():
+    """The window with a cache (transformers keeps only the window's keys) and flash-style masks."""
+    model = make_model("mistral", attn_implementation="sdpa", sliding_window=SLIDING_WINDOW)
+    patch_model(model, scale=4, method="self-extend", neighbor_window=8)
+    twin = _as_flash_attention(make_model("mistral", attn_implementation="sdpa", sliding_window=SLIDING_WINDOW))
+    patch_model(twin, scale=4, method="self-extend", neighbor_window=8)
+    prompt = random_ids(L0 + 8)  # every call beyond L0: no flash kernel needed
+    with torch.no_grad():
+        out = twin.generate(prompt, max_new_tokens=LENGTH - prompt.shape[1], do_sample=False, output_logits=True,
+                            return_dict_in_generate=True, pad_token_id=0)
+        full = model(out.sequences).logits
+    torch.testing.assert_close(torch.stack(out.logits, dim=1), full[:, prompt.shape[1] - 1 : -1], atol=5e-5, rtol=1e-4)
+
+
+PACKED_LENGTHS = (60, 20, 50)  # beyond L0, inside it, beyond it
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "self-extend+logn"])
+@pytest.mark.parametrize("packing", ["flash, position ids", "flash, cu_seq_lens", "sdpa, no cache"])
+def test_packed_sequences_each_equal_their_own_forward(method, packing):
+    """Sequences packed into one row (DataCollatorWithFlattening) never read each other, as
+    transformers' own paths have it: sdpa through its block mask, flash attention through the
+    position ids that restart or the ``cu_seq_lens`` arguments."""
+    model = make_model("mistral", attn_implementation="sdpa", sliding_window=SLIDING_WINDOW)
+    patch_model(model, scale=4, method=method)
+    packed_model = make_model("mistral", attn_implementation="sdpa", sliding_window=SLIDING_WINDOW)  # same weights
+    kwargs = {}
+    if packing == "sdpa, no cache":
+        kwargs["use_cache"] = False  # transformers reads packing from position ids only without a cache
+    else:
+        _as_flash_attention(packed_model)
+    patch_model(packed_model, scale=4, method=method)
+    sequences = [random_ids(n, seed=seed) for seed, n in enumerate(PACKED_LENGTHS)]
+    ids = torch.cat(sequences, dim=1)
+    positions = torch.cat([torch.arange(n) for n in PACKED_LENGTHS])[None]
+    if packing == "flash, cu_seq_lens":
+        bounds = torch.tensor([0, 60, 80, 130], dtype=torch.int32)
+        kwargs.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=60, max_length_k=60)
+    with torch.no_grad():
+        alone = torch.cat([model(sequence).logits for sequence in sequences], dim=1)
+        packed = packed_model(ids, position_ids=positions, **kwargs).logits
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=1e-4)
+
+
+def test_packed_sequences_with_other_key_boundaries_are_refused():
+    model = _as_flash_attention(make_model("llama", attn_implementation="sdpa"))
+    patch_model(model, scale=4, method="self-extend")
+    ids = random_ids(80)  # beyond L0: no flash kernel needed
+    with pytest.raises(ValueError, match="cu_seq_lens_k equal to cu_seq_lens_q"):
+        model(ids, cu_seq_lens_q=torch.tensor([0, 40, 80]), cu_seq_lens_k=torch.tensor([0, 30, 80]))
 
 
 @pytest.mark.slow
