@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up plus the demo on the real model (SmolLM2-135M-Instruct, offline): perplexity beyond the
 # native 8192-token context and passkey retrieval at 12k tokens, before and after patch_model.
-# About 6 minutes on 2 CPU cores; longer lengths on a GPU.
+# About 8 minutes on 2 CPU cores; longer lengths on a GPU.
 # Usage: bash scripts/demo.sh [TEXT_FILE]   (default: Frankenstein from ../shared/data/books)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -131,7 +131,7 @@ def add_parser(subparsers) -> None:
         formatter_class=HelpFormatter,
         help="perplexity beyond the native context and a passkey, before and after patch_model",
         description="Shows on a real model (SmolLM2 by default) what patch_model changes: perplexity beyond the "
-        "native context and passkey retrieval beyond it, unpatched against patched. About 6 minutes on 2 CPU "
+        "native context and passkey retrieval beyond it, unpatched against patched. About 8 minutes on 2 CPU "
         "cores; on a GPU it picks longer lengths.",
     )
     _add_model_arguments(parser, output_dir=Path("outputs/demo"))

@@ -3,7 +3,7 @@
 On CPU (SmolLM2, native context 8192) it runs, for the unpatched and the patched model (scale 2):
 one forward over the first ``1.5 * native`` = 12288 tokens of a document (perplexity of positions
 4k-8k, 8k-10k and 10k-12k) and passkey retrieval at 12288 tokens with the key at depths 0.25 and
-0.75: six 12k-token forwards in all, under 6 minutes on 2 CPU cores. (SmolLM2 degrades only
+0.75: six 12k-token forwards in all, about 8 minutes on 2 CPU cores. (SmolLM2 degrades only
 gradually past 8192 tokens: on a novel its perplexity at 8k-9k is still near the in-context one,
 which is why the perplexity forward is 12k tokens long.) On a GPU the lengths grow to 4x the
 native context: perplexity over 32k tokens, passkey at 16k and 32k, five depths, two keys each,
