@@ -1062,6 +1062,8 @@ class AttentionPatch:
         remap, inv_freq, key_rotations = self._current_remap()
         if int(position_ids.max()) < self.original_length or (remap is None and not self.logn):
             # Inside the native context every method is plain attention: the model's own kernel.
+            if self.original_implementation in FLASH_IMPLEMENTATIONS:
+                module = _ModuleWithImplementation(module, self.original_implementation)
             return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if dropout and module.training:
             raise ValueError("attention-level methods do not support attention dropout during training; set it to 0.")
@@ -1124,6 +1126,30 @@ class AttentionPatch:
         masks = _mask_functions()
         original = masks[self.original_implementation if self.original_implementation in masks else "sdpa"]
         return original(*args, **kwargs)
+
+
+class _ModuleWithImplementation:
+    """An attention module seen with ``config._attn_implementation`` set to ``implementation``.
+
+    transformers' flash-attention function picks its kernel by the name in the module's config,
+    which holds this patch's registry name while the patch is on; the model's own function must
+    see its own name. Everything else is read from the module and its config."""
+
+    def __init__(self, module: nn.Module, implementation: str):
+        self._module = module
+        self.config = _ConfigWithImplementation(module.config, implementation)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class _ConfigWithImplementation:
+    def __init__(self, config: Any, implementation: str):
+        self._config = config
+        self._attn_implementation = implementation
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
 
 
 def _key_positions(query_positions: torch.Tensor, query_slot: int, key_offset: int, key_len: int) -> torch.Tensor:
@@ -1248,7 +1274,8 @@ def install(
         )
     patch = AttentionPatch(
         config=config,
-        name=f"hf_rope_ext_{uuid.uuid4().hex[:12]}",
+        # the original name inside: transformers' checks by name ("flash" in it) still see the model's kind
+        name=f"hf_rope_ext_{uuid.uuid4().hex[:12]}_{implementation}",
         original_implementation=implementation,
         remap=remap,
         inv_freq=inv_freq.detach().to(torch.float64).cpu(),

@@ -747,6 +747,42 @@ def test_flash_attention_with_a_window_generates_as_a_full_forward():
     torch.testing.assert_close(torch.stack(out.logits, dim=1), full[:, prompt.shape[1] - 1 : -1], atol=5e-5, rtol=1e-4)
 
 
+def _flash_stand_in(seen: list):
+    """A stand-in for transformers' flash-attention function, which needs a GPU and the flash-attn
+    package: it records the implementation name the module's config shows (the real function
+    picks its kernel by it) and computes causal attention with transformers' sdpa function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def flash(module, query, key, value, attention_mask, **kwargs):
+        seen.append(module.config._attn_implementation)
+        assert attention_mask is None or bool(attention_mask.all())  # unpadded: what the tests give it
+        kwargs.pop("sliding_window", None)  # the tests' model has no window
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    return flash
+
+
+def test_flash_attention_inside_the_native_context_gets_its_own_implementation_name(monkeypatch):
+    """Inside L0 the patched attention hands the call to the model's own flash-attention function,
+    which reads its kernel's name from the module's config: it sees "flash_attention_2", not the
+    patch's registry name; then generation across L0 equals a full forward."""
+    seen = []
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", _flash_stand_in(seen))
+    model = _as_flash_attention(make_model("llama", attn_implementation="sdpa"))
+    reference = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method="self-extend", neighbor_window=8)
+    patch_model(reference, scale=4, method="self-extend", neighbor_window=8)
+    prompt = random_ids(20)
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt).logits, reference(prompt).logits, atol=1e-6, rtol=1e-6)
+        assert seen and set(seen) == {"flash_attention_2"}
+        out = model.generate(prompt, max_new_tokens=LENGTH - 20, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full = reference(out.sequences).logits
+    torch.testing.assert_close(torch.stack(out.logits, dim=1), full[:, 19:-1], atol=5e-5, rtol=1e-4)
+    assert set(seen) == {"flash_attention_2"}
+
+
 PACKED_LENGTHS = (60, 20, 50)  # beyond L0, inside it, beyond it
 
 
