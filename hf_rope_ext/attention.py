@@ -54,7 +54,10 @@ from .rotary import rope_angles
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Band", "DualChunkRemap", "PositionRemap", "Regime", "SelfExtendRemap", "remapped_attention"]
+__all__ = [
+    "Band", "DualChunkRemap", "PositionRemap", "Regime", "SelfExtendRemap", "remapped_attention",
+    "remapped_attention_weights",
+]
 
 # Queries are processed QUERY_CHUNK at a time against keys in blocks of KEY_BLOCK: masks exist
 # only for blocks a regime selects in part, so working memory stays O(QUERY_CHUNK x KEY_BLOCK)
@@ -742,14 +745,7 @@ def remapped_attention(
     k_lo, k_hi = int(key_host.min()), int(key_host.max())
     key_bounds = _block_bounds(key_host, KEY_BLOCK)
     keys_sorted = bool((key_host[:, 1:] >= key_host[:, :-1]).all())
-    regimes = (
-        remap.regimes(q_hi, inv_freq)
-        if remap is not None
-        else [Regime("plain", None, None, lambda pq, pk: pk <= pq, lambda q_lo, q_hi, k_lo, k_hi: FULL,
-                     band=lambda q_lo, q_hi: Band(0))]
-    )
-    if max_distance is not None and q_hi - k_lo > max_distance:  # the window cuts some pair
-        regimes = [_within_distance(regime, max_distance) for regime in regimes]
+    regimes = _call_regimes(remap, q_hi, k_lo, inv_freq, max_distance)
     # Only the regimes some pair of this call can use: a decode step beyond L0 needs its own
     # group's keys, not every group's (each would re-rotate the whole cache).
     regimes = [r for r in regimes if r.classify is None or r.classify(q_lo, q_hi, k_lo, k_hi) != SKIP]
@@ -801,6 +797,54 @@ def remapped_attention(
                 _add_regime(accumulator, regime, qr, keys, value, pq, key_positions, base, tiles, scaling)
         outputs.append(accumulator.result().to(query.dtype))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def _call_regimes(remap: PositionRemap | None, q_hi: int, k_lo: int, inv_freq: torch.Tensor,
+                  max_distance: int | None) -> list[Regime]:
+    """The regimes of one call: the remap's (plain attention without one), narrowed to a window."""
+    if remap is not None:
+        regimes = remap.regimes(q_hi, inv_freq)
+    else:
+        regimes = [Regime("plain", None, None, lambda pq, pk: pk <= pq, lambda q_lo, q_hi, k_lo, k_hi: FULL,
+                          band=lambda q_lo, q_hi: Band(0))]
+    if max_distance is not None and q_hi - k_lo > max_distance:  # the window cuts some pair
+        regimes = [_within_distance(regime, max_distance) for regime in regimes]
+    return regimes
+
+
+def remapped_attention_weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    allowed: Callable[[int, int], torch.Tensor | None],
+    remap: PositionRemap | None,
+    inv_freq: torch.Tensor,
+    scaling: float,
+    logn_length: int | None = None,
+    max_distance: int | None = None,
+) -> torch.Tensor:
+    """The softmax weights ``(B, H, Tq, Tk)`` that :func:`remapped_attention` applies (same
+    arguments), built whole for ``output_attentions``: the ``T x T`` matrix eager attention
+    returns too. Rows without any allowed key are 0."""
+    batch, heads, query_len, _ = query.shape
+    repeat = heads // key.shape[1]
+    query_positions = query_positions.expand(batch, -1)
+    key_positions = key_positions.expand(batch, -1)
+    inv_freq = inv_freq.to(query.device)
+    q_hi, k_lo = int(query_positions.max()), int(key_positions.min())
+    q = query.float()
+    if logn_length is not None:
+        q = q * logn_factor(query_positions, logn_length).to(q.device, torch.float32)[:, None, :, None]
+    base = allowed(0, query_len)
+    scores = torch.full((batch, heads, query_len, key.shape[2]), -math.inf, device=query.device)
+    for regime in _call_regimes(remap, q_hi, k_lo, inv_freq, max_distance):
+        qr = q if regime.query_position is None else _rotate(q, _shift(regime.query_position, query_positions), inv_freq)
+        kr = key.float() if regime.key_position is None else _rotate(key.float(), _shift(regime.key_position, key_positions), inv_freq)
+        logits = torch.matmul(qr, kr.repeat_interleave(repeat, dim=1).transpose(-1, -2)) * scaling
+        scores = torch.where(_regime_mask(regime, query_positions, key_positions, base), logits, scores)
+    return scores.softmax(dim=-1).nan_to_num(0.0).to(query.dtype)
 
 
 def _within_distance(regime: Regime, max_distance: int) -> Regime:
@@ -1036,6 +1080,7 @@ class AttentionPatch:
     geometry: dict[tuple[int, int], _Geometry] = field(default_factory=dict)
     key_rotations: KeyRotationTables = field(default_factory=KeyRotationTables)
     key_rotations_below_settle: KeyRotationTables = field(default_factory=KeyRotationTables)
+    warned_no_weights: bool = False
 
     def remap_for(self, beyond_settle: bool) -> PositionRemap | None:
         """The remap used beyond a method's settle length (or always, without one), or below it."""
@@ -1086,7 +1131,13 @@ class AttentionPatch:
             allowed = _mask_reader(attention_mask, query_len, key_len, position_ids, key_positions)
             output = self._remapped(query, key, value, position_ids, key_positions, allowed, remap, inv_freq,
                                     key_rotations, scaling, max_distance)
-            return output, None
+            weights = None
+            if kwargs.get("output_attentions"):
+                weights = self._weights(query, key, position_ids, key_positions, allowed, remap, inv_freq, scaling,
+                                        max_distance)
+            return output, weights
+        if kwargs.get("output_attentions"):  # packed sequences come from flash attention only: no weights
+            self._weights(query, key, position_ids, key_positions, None, remap, inv_freq, scaling, max_distance)
         # Packed sequences: each is computed as if it were alone in its own forward (plain
         # attention inside L0), with key tables of its own.
         outputs = []
@@ -1099,6 +1150,23 @@ class AttentionPatch:
                 lambda first, last: None, own_remap, inv_freq, None, scaling, max_distance,
             ))
         return torch.cat(outputs, dim=1), None
+
+    def _weights(self, query, key, query_positions, key_positions, allowed, remap, inv_freq, scaling, max_distance):
+        """The attention weights for ``output_attentions``: eager models get them, as unpatched."""
+        if self.original_implementation != "eager":
+            if not self.warned_no_weights:  # once per patch, not once per layer
+                self.warned_no_weights = True
+                logger.warning(
+                    "output_attentions: attention-level methods return weights only for attn_implementation='eager' "
+                    "(this model: %r), as transformers does; load the model with attn_implementation='eager' to get "
+                    "them.", self.original_implementation,
+                )
+            return None
+        return remapped_attention_weights(
+            query, key, query_positions=query_positions, key_positions=key_positions, allowed=allowed, remap=remap,
+            inv_freq=inv_freq, scaling=scaling, logn_length=self.original_length if self.logn else None,
+            max_distance=max_distance,
+        )
 
     def _remapped(self, query, key, value, query_positions, key_positions, allowed, remap, inv_freq, key_rotations,
                   scaling, max_distance):

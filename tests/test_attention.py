@@ -101,8 +101,8 @@ def naive_attention_factory(position_fn, theta: torch.Tensor, logn: bool = False
         if window and kwargs.get("sliding_window") is not None:
             causal &= ~torch.ones(length, length, dtype=torch.bool).tril(-kwargs["sliding_window"])
         scores = scores.masked_fill(~causal, -math.inf)
-        output = torch.matmul(scores.softmax(-1), value)
-        return output.transpose(1, 2).to(torch.float32), None
+        weights = scores.softmax(-1)
+        return torch.matmul(weights, value).transpose(1, 2).to(torch.float32), weights.to(torch.float32)
 
     return naive
 
@@ -112,9 +112,10 @@ def reference_logits(model, ids, position_fn, logn=False, window=False):
     return reference_logits_at(model, ids, None, position_fn, logn, window=window)
 
 
-def reference_logits_at(model, ids, positions, position_fn, logn=False, theta=None, window=False):
+def reference_logits_at(model, ids, positions, position_fn, logn=False, theta=None, window=False, attentions=False):
     """:func:`reference_logits` with explicit position ids (``position_fn`` then works on indices);
-    ``theta`` are the frequencies the model's rotary module uses (default: plain RoPE)."""
+    ``theta`` are the frequencies the model's rotary module uses (default: plain RoPE);
+    ``attentions``: return the per-layer attention weights too."""
     rope = model.config.rope_parameters
     head_dim = model.model.layers[0].self_attn.head_dim
     if theta is None:
@@ -126,7 +127,8 @@ def reference_logits_at(model, ids, positions, position_fn, logn=False, theta=No
     model.config._attn_implementation = name
     try:
         with torch.no_grad():
-            return model(ids, position_ids=positions).logits
+            out = model(ids, position_ids=positions, output_attentions=attentions)
+        return (out.logits, out.attentions) if attentions else out.logits
     finally:
         model.config._attn_implementation = previous
         del AttentionInterface._global_mapping[name]
@@ -207,6 +209,27 @@ def test_matches_naive_reference(family, implementation, case):
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
     # and it is not the unpatched model beyond L0 (the reference would then be meaningless)
     assert (unpatched[:, L0:] - expected[:, L0:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("case", list(PAPER_CASES))
+def test_output_attentions_match_the_reference_weights(case, caplog):
+    """An eager model returns the attention weights the remap applies, beyond L0 as inside it;
+    other implementations return none, as transformers' own do, and say so once."""
+    model = make_model("llama", attn_implementation="eager")
+    ids = random_ids(LENGTH)
+    params, position_fn = PAPER_CASES[case]
+    _, expected = reference_logits_at(model, ids, None, position_fn, attentions=True)
+    patch_model(model, scale=4, method=case.split()[0], **params)
+    with torch.no_grad():
+        actual = model(ids, output_attentions=True).attentions
+    assert len(actual) == len(expected) == model.config.num_hidden_layers
+    for layer_actual, layer_expected in zip(actual, expected):
+        torch.testing.assert_close(layer_actual, layer_expected, atol=1e-5, rtol=1e-4)
+    sdpa = make_model("llama", attn_implementation="sdpa")
+    patch_model(sdpa, scale=4, method=case.split()[0], **params)
+    with caplog.at_level("WARNING", logger="hf_rope_ext.attention"), torch.no_grad():
+        assert not sdpa(ids, output_attentions=True).attentions
+    assert sum("return weights only for attn_implementation='eager'" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_logn_attention_matches_naive_reference():
