@@ -77,7 +77,7 @@ def test_patched_model_on_cuda_matches_naive_reference(case):
 @pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "dynamic-yarn-dca", "self-extend-dca", "self-extend-yarn"])
 def test_generation_with_cache_equals_full_forward_on_cuda(method):
     model = make_model("llama", attn_implementation="sdpa").cuda()
-    params = {"self-extend": {"neighbor_window": 8}}.get(method, {"chunk_size": 20, "local_window": 4})
+    params = {"self-extend": {"neighbor_window": 8}, "self-extend-yarn": {}}.get(method, {"chunk_size": 20, "local_window": 4})
     patch_model(model, scale=4, method=method, **params)
     _generation_matches_full_forward(model, random_ids(20).cuda())
     assert not attention_level._FUSED_CUDA_FAILED, "a fused CUDA kernel refused the call"
@@ -107,5 +107,23 @@ def test_self_extend_dca_below_its_settle_length_matches_reference_on_cuda():
     patch_model(model, scale=4, method="self-extend-dca")
     with torch.no_grad():
         actual = model(ids.cuda()).logits
+    assert not attention_level._FUSED_CUDA_FAILED, "a fused CUDA kernel refused the call"
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["self-extend", "dual-chunk"])
+def test_sliding_window_of_flash_attention_models_on_cuda_matches_reference(case):
+    """The window as flash attention passes it (an argument, no mask) narrows every band: on CUDA
+    the mask-free tiles, against the float64 reference with transformers' window on the host."""
+    from test_attention import SLIDING_WINDOW, _as_flash_attention
+
+    ids = random_ids(LENGTH)
+    params, position_fn = PAPER_CASES[case]
+    host = make_model("mistral", attn_implementation="sdpa", sliding_window=SLIDING_WINDOW)
+    expected = reference_logits(host, ids, position_fn, window=True)
+    model = _as_flash_attention(make_model("mistral", attn_implementation="sdpa", sliding_window=SLIDING_WINDOW).cuda())
+    patch_model(model, scale=4, method=case, **params)
+    with torch.no_grad():
+        actual = model(ids.cuda()).logits  # every call beyond L0: the flash kernel itself is not needed
     assert not attention_level._FUSED_CUDA_FAILED, "a fused CUDA kernel refused the call"
     torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
