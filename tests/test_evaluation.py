@@ -34,6 +34,7 @@ from hf_rope_ext.evaluation import (
 )
 from hf_rope_ext.evaluation import retrieval
 from hf_rope_ext.evaluation.perplexity import buckets_of_losses
+from hf_rope_ext.evaluation.summary import wilson_interval
 
 SHARED_BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pg84.txt"
 
@@ -653,8 +654,29 @@ def test_reports_pool_documents_and_write_every_file(tmp_path):
     yarn = [(11, 3), (8.5, 4), (9, 4), (9.5, 4), (13, 3), (6.5, 4), (7, 4), (7.5, 4)]
     yarn_pooled = math.exp(sum(math.log(p) * n for p, n in yarn) / sum(n for _, n in yarn))
     assert f"| none | {expected:.2f} |" in markdown and f"| yarn x2 | {yarn_pooled:.2f} |" in markdown
-    assert "| none | 25% (1/4) |" in markdown
+    assert "| none | 25% (1/4; 5%-70%) |" in markdown  # Wilson 95% for 1/4: 0.046-0.699
     assert f"| none | {beyond:.2f} |" in markdown  # the table of positions beyond the native context
+
+
+@pytest.mark.parametrize("correct, trials", [(0, 2), (1, 4), (4, 6), (5, 6), (6, 6), (37, 100)])
+def test_wilson_interval_bounds_solve_the_score_test(correct, trials):
+    """Each bound p0 of the Wilson interval is where the score statistic
+    (p - p0) / sqrt(p0 (1 - p0) / n) equals -+1.96 (or 0 / 1 at an edge)."""
+    low, high = wilson_interval(correct, trials)
+    p, z = correct / trials, 1.959963984540054
+    for bound, sign in ((low, 1), (high, -1)):
+        if bound in (0.0, 1.0):
+            assert (bound == 0.0 and correct == 0) or (bound == 1.0 and correct == trials)
+            continue
+        assert (p - bound) / math.sqrt(bound * (1 - bound) / trials) == pytest.approx(sign * z, rel=1e-9)
+    assert low <= p <= high
+
+
+def test_wilson_interval_of_four_in_six_and_bad_counts():
+    assert wilson_interval(4, 6) == pytest.approx((0.3000, 0.9032), abs=1e-4)  # by hand: center 0.6016, half 0.3016
+    for correct, trials in ((1, 0), (-1, 4), (5, 4)):
+        with pytest.raises(ValueError, match="0 <= correct <= trials"):
+            wilson_interval(correct, trials)
 
 
 # ----------------------------------------------------------------------------------------------

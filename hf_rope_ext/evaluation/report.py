@@ -28,6 +28,7 @@ from .summary import (
     record_state,
     state_label,
     summarize,
+    wilson_interval,
 )
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
             depths = sorted({depth for row in rows for depth in row["by_depth"]}, key=float)
             extra = f", {rows[0]['needle_count']} keys per prompt" if task == "needle" else ""
             parts.append(f"### {task} retrieval accuracy (depths {', '.join(depths)}{extra})\n")
+            parts.append("Correct / prompts, and the 95% Wilson interval of the accuracy: a few prompts a cell "
+                         "leave it wide.\n")
             header = ["method"] + [f"L={format_tokens(length)}" for length in lengths]
             table = []
             for state in _states_in_order(rows):
@@ -138,8 +141,11 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
 
 
 def _retrieval_cell(row: Mapping[str, Any]) -> str:
-    counts = f" ({row['correct']}/{row['trials']})" if row["trials"] is not None else ""
-    return format_accuracy(row["accuracy"]) + counts
+    """``67% (4/6; 30%-90%)``: the accuracy, its counts and their 95% Wilson interval."""
+    if row["trials"] is None or not row["trials"]:
+        return format_accuracy(row["accuracy"])
+    low, high = wilson_interval(row["correct"], row["trials"])
+    return f"{format_accuracy(row['accuracy'])} ({row['correct']}/{row['trials']}; {low:.0%}-{high:.0%})"
 
 
 def comparison_table(summary: Mapping[str, Any], *, task: str = "passkey") -> str:

@@ -39,6 +39,7 @@ __all__ = [
     "retrieval_rows",
     "state_label",
     "summarize",
+    "wilson_interval",
 ]
 
 
@@ -156,6 +157,23 @@ def format_accuracy(value: Any, missing: str = "") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)) or not _is_number(value):
         return missing
     return f"{value:.0%}"
+
+
+def wilson_interval(correct: int, trials: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval of an accuracy ``correct / trials`` (95% by default).
+
+    Wilson (1927); recommended for small samples by Brown, Cai and DasGupta (2001): with
+    ``p = correct / trials``, ``n = trials``,
+    ``(p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n)``. Retrieval is scored on a few
+    prompts per cell, where 4/6 is as consistent with 30% as with 90%.
+    """
+    if trials <= 0 or not 0 <= correct <= trials:
+        raise ValueError(f"wilson_interval needs 0 <= correct <= trials and trials > 0, got {correct}/{trials}.")
+    p, n = correct / trials, trials
+    denominator = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    return max(0.0, center - half), min(1.0, center + half)
 
 
 # ----------------------------------------------------------------------------------------------
