@@ -672,6 +672,19 @@ def test_wilson_interval_bounds_solve_the_score_test(correct, trials):
     assert low <= p <= high
 
 
+def test_report_of_an_edited_retrieval_record_shows_inconsistent_counts(tmp_path, caplog):
+    """More correct answers than trials (a hand-edited results.jsonl): the report is still written
+    and names the cell, instead of failing on the interval."""
+    record = {"kind": "retrieval", "task": "passkey", "method": "none", "scale": None, "model": "m", "dtype": "fp32",
+              "length": 16, "depth": 0.1, "trials": 2, "seed": 0, "needle_count": None, "max_new_tokens": 8,
+              "correct": 5, "accuracy": 2.5, "answers": ["1", "2"], "outputs": ["1", "3"], "reused_from": None}  # fmt: skip
+    (tmp_path / "results.jsonl").write_text(json.dumps(record) + "\n")
+    with caplog.at_level("WARNING", logger="hf_rope_ext.evaluation.report"):
+        write_reports(tmp_path)
+    assert "| none | 250% (5/2; counts inconsistent) |" in (tmp_path / "results.md").read_text()
+    assert any("counts are inconsistent" in r.getMessage() for r in caplog.records)
+
+
 def test_wilson_interval_of_four_in_six_and_bad_counts():
     assert wilson_interval(4, 6) == pytest.approx((0.3000, 0.9032), abs=1e-4)  # by hand: center 0.6016, half 0.3016
     for correct, trials in ((1, 0), (-1, 4), (5, 4)):

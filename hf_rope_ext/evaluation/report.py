@@ -144,6 +144,10 @@ def _retrieval_cell(row: Mapping[str, Any]) -> str:
     """``67% (4/6; 30%-90%)``: the accuracy, its counts and their 95% Wilson interval."""
     if row["trials"] is None or not row["trials"]:
         return format_accuracy(row["accuracy"])
+    if not 0 <= row["correct"] <= row["trials"]:  # an edited results file: show it, do not fail the report
+        logger.warning("%s retrieval of %s at %s tokens: %d correct of %d trials; the counts are inconsistent.",
+                       row["task"], state_label(*record_state(row)), row["length"], row["correct"], row["trials"])
+        return f"{format_accuracy(row['accuracy'])} ({row['correct']}/{row['trials']}; counts inconsistent)"
     low, high = wilson_interval(row["correct"], row["trials"])
     return f"{format_accuracy(row['accuracy'])} ({row['correct']}/{row['trials']}; {low:.0%}-{high:.0%})"
 
