@@ -1137,7 +1137,7 @@ class AttentionPatch:
                                         max_distance)
             return output, weights
         if kwargs.get("output_attentions"):  # packed sequences come from flash attention only: no weights
-            self._weights(query, key, position_ids, key_positions, None, remap, inv_freq, scaling, max_distance)
+            self._warn_no_weights()
         # Packed sequences: each is computed as if it were alone in its own forward (plain
         # attention inside L0), with key tables of its own.
         outputs = []
@@ -1154,19 +1154,22 @@ class AttentionPatch:
     def _weights(self, query, key, query_positions, key_positions, allowed, remap, inv_freq, scaling, max_distance):
         """The attention weights for ``output_attentions``: eager models get them, as unpatched."""
         if self.original_implementation != "eager":
-            if not self.warned_no_weights:  # once per patch, not once per layer
-                self.warned_no_weights = True
-                logger.warning(
-                    "output_attentions: attention-level methods return weights only for attn_implementation='eager' "
-                    "(this model: %r), as transformers does; load the model with attn_implementation='eager' to get "
-                    "them.", self.original_implementation,
-                )
+            self._warn_no_weights()
             return None
         return remapped_attention_weights(
             query, key, query_positions=query_positions, key_positions=key_positions, allowed=allowed, remap=remap,
             inv_freq=inv_freq, scaling=scaling, logn_length=self.original_length if self.logn else None,
             max_distance=max_distance,
         )
+
+    def _warn_no_weights(self) -> None:
+        if not self.warned_no_weights:  # once per patch, not once per layer
+            self.warned_no_weights = True
+            logger.warning(
+                "output_attentions: attention-level methods return weights only for attn_implementation='eager' "
+                "(this model: %r), as transformers does; load the model with attn_implementation='eager' to get "
+                "them.", self.original_implementation,
+            )
 
     def _remapped(self, query, key, value, query_positions, key_positions, allowed, remap, inv_freq, key_rotations,
                   scaling, max_distance):
@@ -1256,7 +1259,7 @@ def _packed_bounds(position_ids: torch.Tensor, kwargs: Mapping[str, Any], query_
             raise ValueError("attention-level methods need cu_seq_lens_k equal to cu_seq_lens_q (packed sequences "
                              "without a cache); pass the same boundaries for both.")
     elif position_ids.shape[0] == 1 and query_len > 1:
-        row = position_ids[0]
+        row = position_ids[0].cpu()  # one copy to the host, not a wait per reduction
         bounds = torch.nonzero(row == row.min()).reshape(-1).tolist() + [query_len]
     else:
         return None

@@ -614,18 +614,22 @@ def _record(method, scale, document, length, buckets, **extra):
             "rope_fingerprint": "x", "seconds": 1.0, "reused_from": None, **extra}  # fmt: skip
 
 
+def _retrieval_record(depth, correct, outputs):
+    """A passkey record of 2 trials at 16 tokens, as the runner writes it."""
+    return {"kind": "retrieval", "task": "passkey", "method": "none", "scale": None, "model": "m", "dtype": "fp32",
+            "length": 16, "depth": depth, "trials": 2, "seed": 0, "needle_count": None, "max_new_tokens": 8,
+            "correct": correct, "accuracy": correct / 2, "answers": ["1", "2"], "outputs": outputs,
+            "reused_from": None}  # fmt: skip
+
+
 def test_reports_pool_documents_and_write_every_file(tmp_path):
     records = [
         _record("none", None, "a", 16, [[0, 4, 10.0], [4, 8, 8.0], [8, 12, 90.0], [12, 16, 120.0]]),
         _record("none", None, "b", 16, [[0, 4, 12.0], [4, 8, 6.0], [8, 12, 70.0], [12, 16, 100.0]]),
         _record("yarn", 2.0, "a", 16, [[0, 4, 11.0], [4, 8, 8.5], [8, 12, 9.0], [12, 16, 9.5]]),
         _record("yarn", 2.0, "b", 16, [[0, 4, 13.0], [4, 8, 6.5], [8, 12, 7.0], [12, 16, 7.5]]),
-        {"kind": "retrieval", "task": "passkey", "method": "none", "scale": None, "model": "m", "dtype": "fp32",
-         "length": 16, "depth": 0.1, "trials": 2, "seed": 0, "needle_count": None, "max_new_tokens": 8,
-         "correct": 1, "accuracy": 0.5, "answers": ["1", "2"], "outputs": ["1", "3"], "reused_from": None},
-        {"kind": "retrieval", "task": "passkey", "method": "none", "scale": None, "model": "m", "dtype": "fp32",
-         "length": 16, "depth": 0.9, "trials": 2, "seed": 0, "needle_count": None, "max_new_tokens": 8,
-         "correct": 0, "accuracy": 0.0, "answers": ["1", "2"], "outputs": ["4", "3"], "reused_from": None},
+        _retrieval_record(depth=0.1, correct=1, outputs=["1", "3"]),
+        _retrieval_record(depth=0.9, correct=0, outputs=["4", "3"]),
     ]  # fmt: skip
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     written = write_reports(tmp_path)
@@ -675,9 +679,7 @@ def test_wilson_interval_bounds_solve_the_score_test(correct, trials):
 def test_report_of_an_edited_retrieval_record_shows_inconsistent_counts(tmp_path, caplog):
     """More correct answers than trials (a hand-edited results.jsonl): the report is still written
     and names the cell, instead of failing on the interval."""
-    record = {"kind": "retrieval", "task": "passkey", "method": "none", "scale": None, "model": "m", "dtype": "fp32",
-              "length": 16, "depth": 0.1, "trials": 2, "seed": 0, "needle_count": None, "max_new_tokens": 8,
-              "correct": 5, "accuracy": 2.5, "answers": ["1", "2"], "outputs": ["1", "3"], "reused_from": None}  # fmt: skip
+    record = _retrieval_record(depth=0.1, correct=5, outputs=["1", "3"])
     (tmp_path / "results.jsonl").write_text(json.dumps(record) + "\n")
     with caplog.at_level("WARNING", logger="hf_rope_ext.evaluation.report"):
         write_reports(tmp_path)
