@@ -9,12 +9,10 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from . import config_io as _config_io
-from . import methods as _methods
 from .cache_consistency import planned_length
-from .methods import RopeMethod, get_method, list_methods
+from .methods import RopeMethod, get_method, list_methods, register_method, unregister_method
 from .patching import DEFAULT_METHOD, PatchInfo, get_patch_info, patch_model, patched, unpatch_model
 from .spec import PatchSpec
 
@@ -37,31 +35,6 @@ __all__ = [
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
-
-
-def register_method(name: str, compute, **kwargs: Any) -> RopeMethod:
-    """Register your own RoPE method; see :func:`hf_rope_ext.methods.register_method`.
-
-    It can then be used as ``patch_model(model, scale, method=name)``, and checkpoints saved
-    with it load through ``from_pretrained`` in any process that registered it.
-    """
-    method = _methods.register_method(name, compute, **kwargs)
-    try:
-        _config_io.register_with_transformers(method)
-    except Exception:
-        _methods.unregister_method(name)
-        raise
-    return method
-
-
-def unregister_method(name: str) -> None:
-    """Remove a method added with :func:`register_method`."""
-    method = get_method(name)
-    _methods.unregister_method(name)
-    _config_io.unregister_from_transformers(method)
-
-
-register_method.__doc__ = (register_method.__doc__ or "") + "\n" + (_methods.register_method.__doc__ or "")
 
 for _name in list_methods():
     _config_io.register_with_transformers(get_method(_name))

@@ -40,10 +40,12 @@ and removed again by :func:`uninstall`.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import uuid
-from dataclasses import dataclass, field, replace
+import weakref
+from dataclasses import dataclass, field, fields, replace
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -1082,6 +1084,20 @@ class AttentionPatch:
     key_rotations_below_settle: KeyRotationTables = field(default_factory=KeyRotationTables)
     warned_no_weights: bool = False
 
+    def __deepcopy__(self, memo: dict) -> AttentionPatch:
+        # A copied model (copy.deepcopy, as TRL makes reference models) needs a patch and registry
+        # entries of its own: under the original's name it would run the original's state, and
+        # fail once the original is unpatched.
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        for item in fields(self):
+            setattr(copied, item.name, copy.deepcopy(getattr(self, item.name), memo))
+        copied.name = _registry_name(self.original_implementation)
+        _register(copied)
+        if getattr(copied.config, "_attn_implementation", None) == self.name:
+            copied.config._attn_implementation = copied.name
+        return copied
+
     def remap_for(self, beyond_settle: bool) -> PositionRemap | None:
         """The remap used beyond a method's settle length (or always, without one), or below it."""
         return self.remap if beyond_settle else self.remap_below_settle
@@ -1334,9 +1350,6 @@ def install(
     ``inv_freq`` are the frequencies the queries and keys are rotated with whenever the remap
     applies (``remap_applies()``, default always); otherwise ``remap_below_settle`` (if given)
     applies, with ``inv_freq_below_settle``."""
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation not in SUPPORTED_IMPLEMENTATIONS:
         raise ValueError(
@@ -1345,8 +1358,7 @@ def install(
         )
     patch = AttentionPatch(
         config=config,
-        # the original name inside: transformers' checks by name ("flash" in it) still see the model's kind
-        name=f"hf_rope_ext_{uuid.uuid4().hex[:12]}_{implementation}",
+        name=_registry_name(implementation),
         original_implementation=implementation,
         remap=remap,
         inv_freq=inv_freq.detach().to(torch.float64).cpu(),
@@ -1356,24 +1368,64 @@ def install(
         remap_below_settle=remap_below_settle,
         inv_freq_below_settle=None if inv_freq_below_settle is None else inv_freq_below_settle.detach().to(torch.float64).cpu(),
     )
-    # Global entries keyed by a name unique to this model: masking_utils reads only the class-wide
-    # mapping of mask functions.
-    AttentionInterface.register(patch.name, patch.attention)
-    AttentionMaskInterface.register(patch.name, patch.mask)
+    _register(patch)
     config._attn_implementation = patch.name
     logger.info("Attention of this model routed through %s (was %r).", patch.name, implementation)
     return patch
 
 
-def uninstall(patch: AttentionPatch) -> None:
-    """Give the model its own attention back and remove the registry entries."""
+def _registry_name(implementation: str) -> str:
+    # Unique to one model; the original name inside, so that transformers' checks by name ("flash"
+    # in it) still see the model's kind.
+    return f"hf_rope_ext_{uuid.uuid4().hex[:12]}_{implementation}"
+
+
+def _register(patch: AttentionPatch) -> None:
+    """Global registry entries for ``patch`` (masking_utils reads only the class-wide mapping of mask
+    functions), keyed by its unique name.
+
+    They hold the patch weakly: the model owns it (through its rotary module), so a deleted
+    model is freed, and its entries are removed with it.
+    """
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
+    reference = weakref.ref(patch)
+
+    def attention(*args, **kwargs):
+        return _live(reference).attention(*args, **kwargs)
+
+    def mask(*args, **kwargs):
+        return _live(reference).mask(*args, **kwargs)
+
+    AttentionInterface.register(patch.name, attention)
+    AttentionMaskInterface.register(patch.name, mask)
+    weakref.finalize(patch, _remove_entries, patch.name)
+
+
+def _live(reference: weakref.ref) -> AttentionPatch:
+    patch = reference()
+    if patch is None:
+        raise RuntimeError(
+            "This attention implementation belonged to a patched model that has been deleted; load or patch the model "
+            "again instead of reusing its config."
+        )
+    return patch
+
+
+def _remove_entries(name: str) -> None:
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface._global_mapping.pop(name, None)
+    AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+def uninstall(patch: AttentionPatch) -> None:
+    """Give the model its own attention back and remove the registry entries."""
     if getattr(patch.config, "_attn_implementation", None) == patch.name:
         patch.config._attn_implementation = patch.original_implementation
-    AttentionInterface._global_mapping.pop(patch.name, None)
-    AttentionMaskInterface._global_mapping.pop(patch.name, None)
+    _remove_entries(patch.name)
     patch.geometry.clear()
     patch.key_rotations.clear()
     patch.key_rotations_below_settle.clear()

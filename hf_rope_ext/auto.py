@@ -41,6 +41,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .files import atomic_write_json
+from .validation import is_real
 
 logger = logging.getLogger(__name__)
 
@@ -265,8 +266,14 @@ def _choice_from_entry(entry: Any, key_fields: Mapping[str, Any], path: Path) ->
         configurations = [score.configuration for score in scores]
         if configurations != list(key_fields["candidates"]) or entry["chosen"] not in configurations:
             raise ValueError("its scores do not match its candidates")
-        if not all(math.isfinite(score.mean_loss) for score in scores):
-            raise ValueError("a loss is not finite")
+        for score in scores:
+            values = [score.mean_loss, score.perplexity, score.perplexity_beyond, score.seconds]
+            values += [] if score.perplexity_inside is None else [score.perplexity_inside]
+            if not all(is_real(value) and math.isfinite(value) for value in values):
+                raise ValueError(f"a number of {score.configuration!r} is missing or not finite")
+        best = min(scores, key=lambda score: score.mean_loss)  # first of equals, as when measured
+        if entry["chosen"] != best.configuration:
+            raise ValueError(f"it names {entry['chosen']!r}, not the lowest loss ({best.configuration!r})")
         method, params = parse_configuration(entry["chosen"])
     except (KeyError, TypeError, ValueError) as error:
         logger.warning("Ignoring a damaged entry of the calibration cache %s (%s); measuring again.", path, error)
@@ -387,8 +394,11 @@ def choose_configuration(
         if path is not None:
             entries = _read_cache(path, report=False)  # again: another process may have added entries meanwhile
             entries[key] = {"chosen": choice.chosen, "scores": [asdict(score) for score in scores]}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(path, {"entries": entries})
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(path, {"entries": entries})
+            except OSError as error:  # the measurements stand; only the cache is lost
+                logger.warning("Could not write the calibration cache %s (%s); this choice is not cached.", path, error)
         logger.info("Calibration:\n%s", choice.table())
         return choice
     finally:

@@ -55,9 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.handler(args)
-    except (ValueError, OSError, ImportError) as error:
-        # Bad input (the library's errors name the problem and the fix) or a missing file, folder
-        # or connection: one line, no traceback. ValueError covers transformers' invalid repo ids.
+    except (ValueError, TypeError, OverflowError, OSError, ImportError) as error:
+        # Bad input (the library's errors name the problem and the fix; TypeError for a value of
+        # the wrong type) or a missing file, folder or connection: one line, no traceback.
+        # ValueError covers transformers' invalid repo ids. --verbose logs the traceback too.
+        logging.getLogger(__name__).debug("Traceback of the error below:", exc_info=True)
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
 

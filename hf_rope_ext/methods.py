@@ -28,6 +28,7 @@ import difflib
 import importlib
 import math
 import numbers
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -542,7 +543,14 @@ def checked_frequencies(
     finite attention factor > 0: anything else would make the model output NaN or garbage.
     """
     where = f"RoPE method {method.name!r} (at {'the original context' if seq_len is None else f'length {seq_len}'})"
-    result = method.compute(rotary_dim, base, params, seq_len)
+    try:
+        result = method.compute(rotary_dim, base, params, seq_len)
+    except ArithmeticError as error:  # overflow or division by zero from finite but absurd parameters
+        raise ValueError(f"{where} cannot compute its frequencies with {dict(params)} ({error}).") from None
+    except ValueError as error:
+        if str(error) != "math domain error":  # the method's own message names its problem
+            raise
+        raise ValueError(f"{where} cannot compute its frequencies with {dict(params)} (math domain error).") from None
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise ValueError(
             f"{where} returned {'None' if result is None else 'a ' + type(result).__name__}; a method must return "
@@ -692,15 +700,26 @@ def register_method(
 
         register_method("my-ntk", compute, runtimes={"llama.cpp": to_llama_cpp})
 
-    Raises ``ValueError`` if the name is taken (call :func:`unregister_method` first to replace
-    a user method; built-in methods cannot be replaced).
+    The method can then be used as ``patch_model(model, scale, method=name)``, and checkpoints
+    saved with it load through ``from_pretrained`` in any process that registered it. Names hold
+    letters, digits, ``_``, ``.`` and ``-``. Raises ``ValueError`` if the name is taken (call
+    :func:`unregister_method` first to replace a user method; built-in methods cannot be replaced).
     """
     if not isinstance(name, str) or not name or name != name.strip():
         raise ValueError(f"Method name must be a non-empty string without surrounding spaces, got {name!r}.")
-    if name == "auto" or name.endswith(LOGN_SUFFIX):
+    if name in ("auto", "none") or name.endswith(LOGN_SUFFIX):
         raise ValueError(
-            f"Method name {name!r} is reserved ('auto' chooses a method by measuring; a {LOGN_SUFFIX!r} suffix turns "
-            "on log-n attention); choose another name."
+            f"Method name {name!r} is reserved ('auto' chooses a method by measuring, 'none' names the unpatched "
+            f"model in evaluations, a {LOGN_SUFFIX!r} suffix turns on log-n attention); choose another name."
+        )
+    if not _METHOD_NAME.fullmatch(name):
+        # ':', ';', ',' and '=' separate configurations and parameters on command lines ("yarn:beta_fast=16;ntk").
+        raise ValueError(f"Method name {name!r} may only hold letters, digits, '_', '.' and '-'; choose another name.")
+    if "dynamic" in name and not length_dependent and transformers_rope_type is None:
+        # transformers scales rope types named "dynamic..." only beyond max_position_embeddings.
+        raise ValueError(
+            f"Method name {name!r} contains 'dynamic', which transformers reads as length-dependent; choose another "
+            "name for a static method, or pass length_dependent=True if it reads seq_len."
         )
     if name in _REGISTRY:
         kind = "a built-in method" if name in _BUILTIN else "already registered"
@@ -737,6 +756,14 @@ def register_method(
         runtimes=runtimes,
     )
     _REGISTRY[name] = method
+    from . import config_io  # imports this module
+
+    try:
+        # checkpoints saved with the method then load through from_pretrained in this process
+        config_io.register_with_transformers(method)
+    except Exception:
+        del _REGISTRY[name]
+        raise
     return method
 
 
@@ -746,7 +773,9 @@ def unregister_method(name: str) -> None:
         raise ValueError(f"{name!r} is a built-in method and cannot be removed.")
     if name not in _REGISTRY:
         raise ValueError(f"No user-registered RoPE method named {name!r}; registered: {sorted(_REGISTRY)}.")
-    del _REGISTRY[name]
+    from . import config_io
+
+    config_io.unregister_from_transformers(_REGISTRY.pop(name))
 
 
 def list_methods() -> dict[str, str]:
@@ -761,6 +790,9 @@ def is_builtin(name: str) -> bool:
     return name in _BUILTIN
 
 
+_METHOD_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
 def get_method(name: str) -> RopeMethod:
     """Look up a method; an unknown name raises ``ValueError`` listing the valid ones.
 
@@ -771,6 +803,8 @@ def get_method(name: str) -> RopeMethod:
         raise TypeError(f"method must be a string, got {type(name).__name__}; valid methods: {sorted(_REGISTRY)}.")
     if name.endswith(LOGN_SUFFIX) and name != LOGN_SUFFIX:
         name = name[: -len(LOGN_SUFFIX)]
+        if name.endswith(LOGN_SUFFIX):
+            raise ValueError(f"method {name + LOGN_SUFFIX!r} repeats the {LOGN_SUFFIX!r} suffix; give it once.")
     if name == "auto":
         raise ValueError(
             "'auto' is not a method but a choice among them: patch_model(model, scale, method='auto', "
@@ -811,7 +845,10 @@ def resolve_params(method: RopeMethod, rotary_dim: int | None, user_params: Mapp
         if isinstance(default, bool) and not isinstance(value, bool):
             raise TypeError(f"Parameter {key!r} of method {method.name!r} must be True or False, got {value!r}.")
     if method.validate is not None and rotary_dim is not None:  # None: checked once the model is known
-        method.validate(rotary_dim, params)
+        try:
+            method.validate(rotary_dim, params)
+        except (OverflowError, ZeroDivisionError) as error:  # finite but absurd values (1e308)
+            raise ValueError(f"Parameters of method {method.name!r} are out of range ({error}): {params}.") from None
     return params
 
 

@@ -222,23 +222,38 @@ def patch_model(
     Patching an already patched model starts again from the original: scales never compound.
     """
     if isinstance(method, str) and method == AUTO_METHOD:
-        return _patch_auto(model, scale, max_length, original_max_length, steps_per_doubling, logn_attention, params)
-    target = _rotary_target(model)
-    original_length = original_context_length(target.config, original_max_length)
-    spec = PatchSpec.create(
-        method,
-        scale,
-        max_length=max_length,
-        original_max_length=original_length,
-        steps_per_doubling=steps_per_doubling,
-        logn_attention=logn_attention,
-        rope_theta=target.base,
-        rotary_dim=target.rotary_dim,
-        kept=target.kept,
-        **params,
-    )
-    _install(model, target, spec)
+        with _keeping_the_patch_on_error(model):
+            return _patch_auto(model, scale, max_length, original_max_length, steps_per_doubling, logn_attention, params)
+    with _keeping_the_patch_on_error(model):
+        target = _rotary_target(model)
+        original_length = original_context_length(target.config, original_max_length)
+        spec = PatchSpec.create(
+            method,
+            scale,
+            max_length=max_length,
+            original_max_length=original_length,
+            steps_per_doubling=steps_per_doubling,
+            logn_attention=logn_attention,
+            rope_theta=target.base,
+            rotary_dim=target.rotary_dim,
+            kept=target.kept,
+            **params,
+        )
+        _install(model, target, spec)
     return model
+
+
+@contextlib.contextmanager
+def _keeping_the_patch_on_error(model: nn.Module) -> Iterator[None]:
+    """Re-patching starts from the original model; if the new patch is refused (a bad scale or
+    parameter, checked only then), the model gets its previous patch back, not none."""
+    previous = get_patch_info(model)
+    try:
+        yield
+    except BaseException:
+        if previous is not None and not _patched_modules(model):
+            _install(model, _rotary_target(model), previous)
+        raise
 
 
 _AUTO_OPTIONS = {"calibration_ids": "calibration_ids", "candidates": "candidates", "objective": "objective",
@@ -274,8 +289,8 @@ def apply_spec(model: nn.Module, spec: PatchSpec) -> nn.Module:
     """
     if not isinstance(spec, PatchSpec):
         raise TypeError(f"apply_spec expects a PatchSpec, got {type(spec).__name__}.")
-    target = _rotary_target(model)
-    _install(model, target, spec)
+    with _keeping_the_patch_on_error(model):
+        _install(model, _rotary_target(model), spec)
     return model
 
 
@@ -302,6 +317,15 @@ def _rotary_target(model: nn.Module) -> _Target:
     config = getattr(original, "config", None) or getattr(model, "config", None)
     if config is None:
         raise ValueError(f"{type(model).__name__} has no config; patch a transformers model.")
+    record = getattr(config, config_io.RECORD_ATTRIBUTE, None)
+    if record is not None:
+        # Loaded from a patched checkpoint with plain from_pretrained: its config holds the patched
+        # RoPE (ntk writes a plain rope_type with a larger rope_theta), not the trained one.
+        raise ValueError(
+            f"This model was loaded from a checkpoint saved with an hf_rope_ext patch ({describe_record(record)}); its "
+            "config holds the patched RoPE, not the original. Load it with hf_rope_ext.hub.load_patched (or call "
+            "hf_rope_ext.hub.restore_patch(model)); patch_model then re-patches from the original."
+        )
     rope = compat.rope_parameters(config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
@@ -314,6 +338,14 @@ def _rotary_target(model: nn.Module) -> _Target:
     return target
 
 
+def describe_record(record: Any) -> str:
+    """``ntk x4 from 32 tokens``: a patch record in a few words (whatever its state)."""
+    if not isinstance(record, dict):
+        return f"record {record!r}"
+    original = record.get("original_max_position_embeddings", "?")
+    return f"{record.get('method', '?')} x{record.get('scale', '?')} from {original} tokens"
+
+
 def _install(model: nn.Module, target: _Target, spec: PatchSpec) -> None:
     spec = spec.bound_to(target.rotary_dim, target.base, target.kept, target.module_name)
     config, original, base, rotary_dim = target.config, target.module, target.base, target.rotary_dim
@@ -324,8 +356,11 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec) -> None:
     below = rope_method.attention_below_settle
     remap_below_settle = below(resolved) if below is not None and rope_method.settle_length is not None else None
 
-    rotary = ExtendedRotaryEmbedding(original, rope_method, resolved, rotary_dim, base, spec.steps_per_doubling)
     extended = spec.extended_context
+    try:
+        rotary = ExtendedRotaryEmbedding(original, rope_method, resolved, rotary_dim, base, spec.steps_per_doubling)
+    except ArithmeticError as error:  # a settle length of finite but absurd parameters (frequencies_scale=1e308)
+        raise ValueError(f"method {spec.method!r} cannot use {resolved} ({error}); check its parameters.") from None
     inv_freq, attention = rotary.frequencies(extended)
     unchanged = torch.allclose(inv_freq, default_inv_freq(rotary_dim, base), rtol=1e-9, atol=0) and attention == 1.0
     if unchanged and remap is None and not spec.logn_attention:

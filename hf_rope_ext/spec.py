@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .methods import COMMON_PARAMS, LOGN_SUFFIX, RopeMethod, get_method, plain_value, resolve_params
-from .validation import check_length, check_scale, check_steps, is_real
+from .validation import check_context, check_length, check_scale, check_steps, is_real
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class _NotGiven:
 NOT_GIVEN: Any = _NotGiven()
 
 _RECORD_KEYS = ("method", "scale", "original_max_position_embeddings", "original_rope_theta", "params")
+_OPTIONAL_RECORD_KEYS = ("version", "steps_per_doubling", "logn_attention")
 
 
 def extended_length(original: int, scale: float) -> int:
@@ -75,6 +76,7 @@ def whole_token_scale(scale: float, original_length: int) -> float:
     rounding. A scale that extends the context by less than half a token is refused.
     """
     target = original_length * scale
+    check_context(target, f"scale={scale!r} on an original context of {original_length} tokens")
     extended = int(math.floor(target + 0.5))
     if extended <= original_length:
         raise ValueError(
@@ -104,6 +106,7 @@ def resolve_scale(scale: Any, max_length: Any, original_length: int) -> float:
         raise ValueError("patch_model needs scale= (e.g. scale=4) or max_length= (the context you want, in tokens).")
     if max_length is not None:
         max_length = check_length(max_length, "max_length")
+        check_context(max_length, "max_length")
         if max_length <= original_length:
             raise ValueError(
                 f"max_length={max_length} is not beyond the model's original context of {original_length} tokens; "
@@ -118,7 +121,10 @@ def split_method_spec(method: Any, logn_attention: Any = False) -> tuple[Any, bo
     if not isinstance(logn_attention, bool):
         raise TypeError(f"logn_attention must be True or False, got {logn_attention!r}.")
     if isinstance(method, str) and method.endswith(LOGN_SUFFIX):
-        return method[: -len(LOGN_SUFFIX)], True
+        bare = method[: -len(LOGN_SUFFIX)]
+        if bare.endswith(LOGN_SUFFIX):
+            raise ValueError(f"method {method!r} repeats the {LOGN_SUFFIX!r} suffix; give it once.")
+        return bare, True
     return method, logn_attention
 
 
@@ -367,6 +373,22 @@ class PatchSpec:
         missing = [key for key in _RECORD_KEYS if key not in record]
         if missing:
             raise RecordError(f"lacks {missing}.", source)
+        unknown = sorted(str(key) for key in record if key not in _RECORD_KEYS + _OPTIONAL_RECORD_KEYS)
+        if unknown:
+            # A misspelt key (logn_atention) would otherwise be dropped without a word.
+            raise RecordError(
+                f"has unknown keys {unknown} (the keys are {list(_RECORD_KEYS + _OPTIONAL_RECORD_KEYS)}).", source
+            )
+        logn = record.get("logn_attention", False)
+        if not isinstance(logn, bool):
+            raise RecordError(f"has logn_attention={logn!r}; it must be true or false.", source)
+        if isinstance(record["method"], str) and record["method"].endswith(LOGN_SUFFIX):
+            # The spelling patch_model accepts; the record keeps the flag apart, and both must agree.
+            if record.get("logn_attention") is False:
+                raise RecordError(
+                    f"has method={record['method']!r} but logn_attention=false; they contradict each other.", source
+                )
+            logn = True
         try:
             method = get_method(record["method"])
         except (TypeError, ValueError) as error:
@@ -392,9 +414,6 @@ class PatchSpec:
                 raise RecordError(f"has steps_per_doubling={steps!r}; it must be a positive integer or null.", source)
         elif steps is not None:
             raise RecordError(f"has steps_per_doubling={steps!r}, but {method.name!r} is a static method.", source)
-        logn = record.get("logn_attention", False)
-        if not isinstance(logn, bool):
-            raise RecordError(f"has logn_attention={logn!r}; it must be true or false.", source)
         try:
             params = resolve_params(method, rotary_dim, record["params"])
         except (TypeError, ValueError) as error:

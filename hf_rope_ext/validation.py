@@ -6,7 +6,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["check_length", "check_scale", "check_steps", "is_real"]
+__all__ = ["MAX_CONTEXT", "check_context", "check_length", "check_scale", "check_steps", "is_real"]
 
 
 def is_real(value: Any) -> bool:
@@ -18,7 +18,10 @@ def check_scale(scale: Any, name: str = "scale") -> float:
     """``scale`` as a float > 1; the errors say how to fix it."""
     if not is_real(scale):
         raise TypeError(f"{name} must be a number (e.g. {name}=4), got {type(scale).__name__} {scale!r}.")
-    scale = float(scale)
+    try:
+        scale = float(scale)
+    except OverflowError:  # an int or Fraction beyond float range
+        raise ValueError(f"{name} must be finite, got a number beyond float range ({scale!r:.40}...).") from None
     if not math.isfinite(scale):
         raise ValueError(f"{name} must be finite, got {scale}.")
     if scale <= 0:
@@ -31,6 +34,20 @@ def check_scale(scale: Any, name: str = "scale") -> float:
     if scale == 1:
         raise ValueError(f"{name}=1 leaves the model unchanged; use scale > 1 (e.g. 2, 4, 8).")
     return scale
+
+
+# Positions are int32 in runtimes (llama.cpp) and kernels; no context reaches this.
+MAX_CONTEXT = 2**31 - 1
+
+
+def check_context(tokens: float, name: str) -> None:
+    """Refuse an extended context of ``tokens`` beyond :data:`MAX_CONTEXT` (or not finite)."""
+    if tokens > MAX_CONTEXT or not math.isfinite(tokens):  # the comparison first: huge ints overflow isfinite
+        shown = f"{tokens:.4g}" if isinstance(tokens, float) else f"about 10^{len(str(int(tokens))) - 1}"
+        raise ValueError(
+            f"{name} gives a context of {shown} tokens, beyond the {MAX_CONTEXT} positions models and runtimes "
+            "index; use a smaller value."
+        )
 
 
 def check_length(value: Any, name: str, what: str = "number of tokens") -> int:

@@ -157,6 +157,45 @@ def test_a_damaged_cache_is_reported_and_measured_again(tmp_path, caplog):
 
 
 @pytest.mark.parametrize(
+    "edit",
+    [
+        lambda entry: entry["scores"][0].update(seconds=None),
+        lambda entry: entry["scores"][1].update(perplexity="x"),
+        lambda entry: entry["scores"][0].update(perplexity_beyond=None),
+        lambda entry: entry["scores"][0].update(mean_loss=float("inf")),
+        # the candidate with the higher loss named as the choice
+        lambda entry: entry.update(chosen=max(entry["scores"], key=lambda score: score["mean_loss"])["configuration"]),
+    ],
+)
+def test_an_edited_cache_entry_is_measured_again(tmp_path, caplog, edit):
+    model = make_model("llama")
+    ids = random_ids(2 * L0)[0]
+    first = choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], progress=False)
+    assert first.scores[0].mean_loss != first.scores[1].mean_loss
+    (cache_file,) = (tmp_path / "cache" / "auto").iterdir()
+    data = json.loads(cache_file.read_text())
+    edit(next(iter(data["entries"].values())))
+    cache_file.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="hf_rope_ext.auto"):
+        again = choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], progress=False)
+    assert "damaged entry" in caplog.text and not again.from_cache
+    assert again.chosen == first.chosen and again.scores[0].mean_loss == first.scores[0].mean_loss
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_measured_choice(tmp_path, caplog):
+    model = make_model("llama")
+    ids = random_ids(2 * L0)[0]
+    (tmp_path / "a-file").write_text("x")
+    with caplog.at_level(logging.WARNING, logger="hf_rope_ext.auto"):
+        choice = choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], progress=False,
+                                      cache_path=tmp_path / "a-file" / "cache.json")  # fmt: skip
+    assert "Could not write the calibration cache" in caplog.text
+    reference = _reference_losses(model, ids, 2)
+    assert choice.chosen == min(["yarn", "ntk"], key=lambda text: reference[text][0])
+    assert get_patch_info(model) is None
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"calibration_ids": None}, "needs calibration_ids="),

@@ -125,6 +125,12 @@ CLI_CASES = {
                                            "hf-rope-ext-tests/no-such-dataset", "--methods", "none",
                                            "--ppl-lengths", "16", "--output-dir", "{folder}/out"],
                                           "Dataset 'hf-rope-ext-tests/no-such-dataset' .* could not be read"),
+    "auto candidate with a parameter of the wrong type": (["auto", "--model", "{folder}/base", "--text-files",
+                                                           "{folder}/book.txt", "--scale", "2", "--no-cache",
+                                                           "--candidates", "yarn;yarn:truncate=1"],
+                                                          "candidate 'yarn:truncate=1': Parameter 'truncate'"),
+    "auto with a scale beyond any context": (["auto", "--model", "{folder}/base", "--text-files", "{folder}/book.txt",
+                                              "--scale", "1e308", "--no-cache"], "beyond the 2147483647 positions"),
 }  # fmt: skip
 
 
@@ -307,3 +313,94 @@ def test_a_whole_token_scale_is_kept_exactly(caplog):
         patch_model(model, scale=1.5, method="yarn")
         patch_model(model, max_length=3 * L0 + 1, method="yarn")
     assert get_patch_info(model).scale == (3 * L0 + 1) / L0 and caplog.text == ""
+
+
+# -- numbers too large, names that cannot be used, a refused re-patch ---------------------------
+
+HUGE = {
+    "scale 1e308": ({"scale": 1e308}, "gives a context of inf tokens, beyond the 2147483647 positions"),
+    "scale 1e300": ({"scale": 1e300}, "gives a context of 3.2e\\+301 tokens"),
+    "int scale beyond float": ({"scale": 10**400}, "scale must be finite, got a number beyond float range"),
+    "Fraction beyond float": ({"scale": __import__("fractions").Fraction(10**400, 3)}, "beyond float range"),
+    "max_length beyond float": ({"max_length": 10**400}, "max_length gives a context of about 10\\^400 tokens"),
+    "frequencies_scale 1e308": ({"scale": 4, "method": "self-extend-yarn", "frequencies_scale": 1e308},
+                                "'self-extend-yarn' cannot use .*cannot convert float infinity"),
+    "betas 1e308": ({"scale": 4, "method": "yarn", "beta_fast": 1e308, "beta_slow": 1e307},
+                    "'yarn' .*cannot compute its frequencies .*math domain error"),
+    "logn suffix twice": ({"scale": 4, "method": "yarn+logn+logn"}, "repeats the '\\+logn' suffix"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(HUGE))
+def test_absurd_numbers_and_names_are_refused_with_one_line(case):
+    kwargs, message = HUGE[case]
+    model = make_model("llama", attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=message) as error:
+        patch_model(model, **kwargs)
+    assert "\n" not in str(error.value) and len(str(error.value)) < 500
+    assert get_patch_info(model) is None
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, message",
+    [
+        ("none", {}, "is reserved"),
+        ("my:method", {}, "may only hold letters, digits"),
+        ("a;b", {}, "may only hold letters, digits"),
+        ("not-dynamic-halve", {}, "contains 'dynamic', which transformers reads as length-dependent"),
+    ],
+)
+def test_method_names_that_cannot_be_used_are_refused(name, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        hf_rope_ext.register_method(name, lambda d, b, p, n=None: (default_inv_freq(d, b) / 2, 1.0), **kwargs)
+    assert name not in hf_rope_ext.list_methods()
+
+
+def test_register_method_of_the_methods_module_also_registers_with_transformers(tmp_path):
+    """Both spellings register the rope type with transformers, so a checkpoint saved with the
+    method loads through from_pretrained in the same process."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from hf_rope_ext import methods
+    from hf_rope_ext.config_io import custom_rope_type
+    from hf_rope_ext.hub import save_patched
+
+    method = methods.register_method("quarter-test", lambda d, b, p, n=None: (default_inv_freq(d, b) / 4, 1.0))
+    try:
+        assert custom_rope_type(method) in ROPE_INIT_FUNCTIONS
+        model = make_model("llama")
+        patch_model(model, scale=4, method="quarter-test")
+        folder = save_patched(model, tmp_path / "ckpt")
+        reloaded = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        ids = random_ids(3 * L0)
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=2e-5)
+    finally:
+        methods.unregister_method("quarter-test")
+    assert custom_rope_type(method) not in ROPE_INIT_FUNCTIONS
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"scale": 0.5}, {"scale": "4"}, {"scale": 2, "method": "yran"}, {"scale": 2, "method": "yarn", "beta_fats": 3},
+     {"scale": 2, "method": "yarn", "steps_per_doubling": 4}, {"scale": 1e308}],
+)  # fmt: skip
+def test_a_refused_repatch_keeps_the_previous_patch(kwargs):
+    """patch_model re-patches from the original model; a new patch refused only then must not
+    leave the model unpatched (the patched() context manager relies on it too)."""
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=2, method="self-extend-yarn")
+    ids = random_ids(3 * L0)
+    with torch.no_grad():
+        before = model(ids).logits
+    info = get_patch_info(model)
+    with pytest.raises((ValueError, TypeError)):
+        patch_model(model, **kwargs)
+    assert get_patch_info(model) == info
+    with pytest.raises((ValueError, TypeError)):
+        with hf_rope_ext.patched(model, **kwargs):
+            pass
+    assert get_patch_info(model) == info
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)

@@ -560,3 +560,52 @@ def test_patch_spec_checks_its_fields_and_its_model():
     assert spec.scale == 4.0 and spec.extended_context == 4 * L0 and spec.params["beta_fast"] == 32.0
     with pytest.raises(ValueError, match=r"made for a model with rotary_dim=32, this one has 16"):
         spec.apply(make_model("llama"))  # head_dim 16
+
+
+# -- copies and deleted models ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["self-extend-yarn", "dual-chunk", "yarn+logn", "dynamic-yarn"])
+def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own(method):
+    """copy.deepcopy (as TRL makes reference models) gives a model with its own attention
+    patch: it computes as a model patched afresh, and outlives unpatching the original."""
+    import copy
+
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method=method)
+    copied = copy.deepcopy(model)
+    fresh = make_model("llama", attn_implementation="sdpa")  # same seed, same weights
+    reference = make_model("llama", attn_implementation="sdpa")
+    patch_model(fresh, scale=4, method=method)
+    ids = random_ids(3 * ORIGINAL_CONTEXT + 5)
+    assert copied.config._attn_implementation != model.config._attn_implementation or method == "dynamic-yarn"
+    unpatch_model(model)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(ids).logits, fresh(ids).logits, rtol=0, atol=0)
+        short = ids[:, : ORIGINAL_CONTEXT - 4]  # and a shorter input after the long one (the copy's own state)
+        torch.testing.assert_close(copied(short).logits, fresh(short).logits, rtol=0, atol=0)
+    unpatch_model(copied)
+    with torch.no_grad():
+        assert torch.equal(copied(ids).logits, reference(ids).logits)
+
+
+def test_a_deleted_patched_model_is_freed_with_its_registry_entries():
+    import gc
+    import weakref
+
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    gc.collect()
+    before = (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping))
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4)  # the default: attention-level, length-dependent
+    with torch.no_grad():
+        model(random_ids(3 * ORIGINAL_CONTEXT))
+    name = model.config._attn_implementation
+    assert name in AttentionInterface._global_mapping
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+    assert (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping)) == before
