@@ -197,11 +197,13 @@ def rotary_dim_of(config: Any, rope: Mapping[str, Any] | None = None) -> int:
 
 def _record_error(config: Any, problem: str) -> ValueError:
     model_type = getattr(config, "model_type", "?")
-    return ValueError(
+    error = ValueError(
         f"model_type {model_type!r}: the `{RECORD_ATTRIBUTE}` entry of config.json {problem} "
         "The config was edited or is corrupt: restore the config.json that hf_rope_ext wrote, or delete the "
         f"`{RECORD_ATTRIBUTE}` entry to load the RoPE settings as plain transformers reads them."
     )
+    error.problem = problem  # for callers that check a config in memory, not a file
+    return error
 
 
 def _number(value: Any) -> bool:
@@ -275,6 +277,45 @@ def verify_record(config: Any) -> PatchSpec | None:
     return recorded
 
 
+_TOP_LEVEL_ROPE = ("rope_theta", "original_max_position_embeddings")
+
+
+def _numbers(value: Any, name: str = "") -> Iterator[tuple[str, float]]:
+    """``(dotted name, number)`` for every float inside nested dicts and lists (JSON's NaN and
+    Infinity included)."""
+    if isinstance(value, float):
+        yield name, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _numbers(item, f"{name}.{key}" if name else str(key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _numbers(item, f"{name}[{index}]")
+
+
+# Fields of transformers' own rope types (and the top level) that hold numbers; transformers
+# refuses another type deep in its validation, with a message that does not name the field.
+_NUMERIC_ROPE_FIELDS = ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
+                        "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "rope_theta",
+                        "partial_rotary_factor")  # fmt: skip
+
+
+def check_rope_types(raw: Mapping[str, Any], source: str) -> None:
+    """Refuse a config.json whose RoPE numbers are not numbers (``"beta_fast": "32"``), naming the field."""
+    fields = {"max_position_embeddings": raw.get("max_position_embeddings")}
+    fields.update({key: raw[key] for key in _TOP_LEVEL_ROPE if key in raw})
+    for spelling in ("rope_parameters", "rope_scaling"):
+        if isinstance(raw.get(spelling), Mapping):
+            numeric = [key for key in _NUMERIC_ROPE_FIELDS if key in raw[spelling]]
+            fields.update({f"{spelling}.{key}": raw[spelling][key] for key in numeric})
+    for name, value in fields.items():
+        if value is not None and not is_real(value):
+            raise ValueError(
+                f"{source}: config.json has {name} = {value!r}; it must be a number. Restore the file as it was "
+                "written, or fix that field."
+            )
+
+
 def check_rope_spellings(raw: Mapping[str, Any], source: str) -> None:
     """Refuse a checkpoint's config.json whose two spellings of the RoPE settings disagree.
 
@@ -289,6 +330,14 @@ def check_rope_spellings(raw: Mapping[str, Any], source: str) -> None:
     if RECORD_ATTRIBUTE not in raw or not isinstance(params, Mapping) or "rope_scaling" not in raw:
         return
     legacy = raw["rope_scaling"]
+    for name, value in _numbers(
+        {"rope_parameters": params, "rope_scaling": legacy, **{key: raw[key] for key in _TOP_LEVEL_ROPE if key in raw}}
+    ):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"{source}: config.json has {name} = {value!r}; it must be a finite number. Restore the file as it was "
+                "written, or patch the model again."
+            )
     expected = {key: value for key, value in params.items() if key != "rope_theta"}
     problems = []
     if params.get("rope_type", "default") == "default":
@@ -306,7 +355,7 @@ def check_rope_spellings(raw: Mapping[str, Any], source: str) -> None:
                     f"{key} is {expected.get(key, 'missing')!r} in rope_parameters, "
                     f"{legacy.get(key, 'missing')!r} in rope_scaling"
                 )
-    for key in ("rope_theta", "original_max_position_embeddings"):
+    for key in _TOP_LEVEL_ROPE:
         if key in raw and key in params and _differences({key: params[key]}, {key: raw[key]}):
             problems.append(f"{key} is {params[key]!r} in rope_parameters, {raw[key]!r} at the top level")
     if problems:

@@ -119,17 +119,29 @@ def atomic_directory(path: str | os.PathLike, *, keep_existing: Callable[[str], 
     if the second rename fails the old folder is put back. Folders created for ``path``'s parent
     are removed again on failure.
     """
-    target = Path(path)
+    # The real folder: a symlinked target is written where the link points (renaming the link
+    # aside would replace it by a folder), and "." or "~" name the folder the user means.
+    target = Path(os.path.realpath(Path(path).expanduser()))
     if target.exists() and not target.is_dir():
         raise ValueError(f"{target} is a file, not a folder; choose a folder path (new or existing).")
+    if Path.cwd() == target or target in Path.cwd().parents:
+        raise ValueError(
+            f"{target} is the current working folder or holds it; replacing it would pull the folder from under the "
+            "running process. Choose a subfolder (e.g. ./checkpoint)."
+        )
     created = [folder for folder in (target.parent, *target.parent.parents) if not folder.exists()]
+    blocking = next((folder for folder in target.parents if folder.exists() and not folder.is_dir()), None)
+    if blocking is not None:
+        raise ValueError(f"Cannot create {target}: {blocking} is a file, not a folder. Choose another path.")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_dir(target.parent, f".{target.name}.staging-")
     try:
         yield staging
+        # Only what the block wrote gets the umask's permissions: carried-over entries are hard
+        # links to the user's own files and keep their modes (a 0600 token stays 0600).
+        give_umask_permissions(staging)
         if target.exists() and keep_existing is not None:
             _carry_over(target, staging, keep_existing)
-        give_umask_permissions(staging)
         if not target.exists():
             os.replace(staging, target)
         else:

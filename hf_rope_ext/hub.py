@@ -59,8 +59,14 @@ __all__ = [
     "save_patched",
 ]
 
-# Weight files a previous save may have left in the target folder (shard counts change).
-_WEIGHT_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+# Weight files a previous save may have left in the target folder (shard counts change), in
+# any format transformers or peft would load from it: an adapter left beside full weights is
+# attached again by from_pretrained, and pickled weights are read when safetensors are absent.
+_WEIGHT_FILES = re.compile(
+    r"^(model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?"
+    r"|pytorch_model(-\d{5}-of-\d{5})?\.bin(\.index\.json)?"
+    r"|adapter_config\.json|adapter_model\.(safetensors|bin))$"
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -70,7 +76,16 @@ _WEIGHT_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json
 
 def _recorded_patch(model: nn.Module) -> PatchSpec:
     config = getattr(model, "config", None)
-    recorded = config_io.verify_record(config) if config is not None else None
+    try:
+        recorded = config_io.verify_record(config) if config is not None else None
+    except ValueError as error:
+        if get_patch_info(model) is None:
+            raise
+        # The live config of a patched model, not a file: it was changed after patch_model.
+        raise ValueError(
+            f"The config of this patched model was changed after patch_model: its `{config_io.RECORD_ATTRIBUTE}` "
+            f"record {getattr(error, 'problem', error)} Nothing was saved; call patch_model again, then save."
+        ) from None
     if recorded is None:
         raise ValueError(
             f"{type(model).__name__} is not patched by hf_rope_ext (its config has no `{config_io.RECORD_ATTRIBUTE}` "
@@ -118,7 +133,18 @@ def save_patched(
             "This is a peft model: saving it would store the adapter only. Merge it first "
             "(model = model.merge_and_unload()) and save the merged model."
         )
+    if callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is None:
+        raise ValueError(
+            f"{type(model).__name__} has no language-model head: a checkpoint of it loads as a causal LM with a random "
+            "head. Save the model patch_model was given with its head (e.g. LlamaForCausalLM, not its .model)."
+        )
     recorded = _recorded_patch(model)
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(
+            f"tokenizer must be a tokenizer object (AutoTokenizer.from_pretrained(...)), got {type(tokenizer).__name__}."
+        )
+    card_text = _card_text(card)
+    assets = _card_assets(card_assets)
     if recorded.method == "dynamic" and recorded.steps_per_doubling is not None:
         logger.warning(
             "The patch changes frequencies at %d steps per doubling of the length; transformers' own `dynamic` type, "
@@ -126,9 +152,11 @@ def save_patched(
             "to get this patch back exactly.",
             recorded.steps_per_doubling,
         )
-    target = Path(save_directory)
+    target = Path(save_directory).expanduser()
     if target.exists() and not target.is_dir():
         raise ValueError(f"{target} is a file; save_patched needs a folder (new or existing).")
+    existing = sorted(entry.name for entry in target.iterdir()) if target.is_dir() else []
+    stale = [name for name in existing if _WEIGHT_FILES.match(name)]
     with atomic_directory(target, keep_existing=lambda name: not _WEIGHT_FILES.match(name)) as staging:
         model.save_pretrained(staging, **save_kwargs)
         if tokenizer is not None:
@@ -139,10 +167,22 @@ def save_patched(
             saved.update(config_io.legacy_fields(saved["rope_parameters"]))
             config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
         _check_saved_config(staging, model.config)
-        if card is not None:
-            (staging / "README.md").write_text(str(card))
-        for asset in map(Path, card_assets):
+        if card_text is not None:
+            (staging / "README.md").write_text(card_text)
+        for asset in assets:
+            if (staging / asset.name).exists():
+                raise ValueError(
+                    f"card asset {asset} would replace the checkpoint's own {asset.name}; rename the asset. Nothing was "
+                    "written to the target folder."
+                )
             shutil.copyfile(asset, staging / asset.name)
+    replaced = [name for name in stale if not (target / name).exists()]
+    if replaced:
+        logger.warning(
+            "Removed %s left in %s by an earlier save: they would load in place of, or on top of, these weights.",
+            ", ".join(replaced),
+            target,
+        )
     logger.info(
         "Saved %s (%s, scale %g, context %d -> %d) to %s.",
         type(model).__name__,
@@ -153,6 +193,45 @@ def save_patched(
         target,
     )
     return target
+
+
+def _card_text(card: Any) -> str | None:
+    """The README text of ``card``: a ``ModelCard``, a markdown string, or a path to a markdown file."""
+    if card is None or isinstance(card, str):
+        return card
+    if isinstance(card, os.PathLike):
+        path = Path(card).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"card {path} is not a file; pass a ModelCard, a markdown string or a markdown file path."
+            )
+        return path.read_text(encoding="utf-8")
+    if isinstance(card, (bytes, bytearray)) or not hasattr(card, "content"):
+        raise TypeError(
+            f"card must be a huggingface_hub.ModelCard, a markdown string or a path to one, got {type(card).__name__}."
+        )
+    return str(card)
+
+
+def _card_assets(card_assets: Any) -> list[Path]:
+    """The files to copy beside the card, each checked to exist before anything is written."""
+    if isinstance(card_assets, (str, os.PathLike)):
+        card_assets = [card_assets]
+    assets = []
+    for asset in card_assets:
+        if not isinstance(asset, (str, os.PathLike)):
+            raise TypeError(f"card_assets must be file paths, got {asset!r}.")
+        path = Path(asset).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"card asset {path} is not a file.")
+        assets.append(path)
+    names = [path.name for path in assets]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(
+            f"card_assets has several files named {repeated}; they would overwrite each other beside the card."
+        )
+    return assets
 
 
 def _save_tokenizer(tokenizer: Any, folder: Path, extended: int) -> None:
@@ -283,9 +362,11 @@ def read_checked_config(name_or_path: str | os.PathLike, **config_kwargs: Any):
     """``AutoConfig.from_pretrained``, after checking that config.json's ``rope_parameters`` and
     legacy ``rope_scaling`` agree (:func:`hf_rope_ext.config_io.check_rope_spellings`)."""
     from transformers import AutoConfig, PretrainedConfig
+    from huggingface_hub.errors import StrictDataclassError
 
     from .loading import is_missing_folder
 
+    name_or_path = _expand_home(name_or_path)
     if is_missing_folder(name_or_path):
         raise FileNotFoundError(f"Checkpoint folder not found: {name_or_path}.")
     folder = Path(name_or_path) / config_kwargs.get("subfolder", "")
@@ -295,8 +376,22 @@ def read_checked_config(name_or_path: str | os.PathLike, **config_kwargs: Any):
             "save_pretrained)."
         )
     raw, _ = PretrainedConfig.get_config_dict(name_or_path, **config_kwargs)
+    config_io.check_rope_types(raw, str(name_or_path))
     config_io.check_rope_spellings(raw, str(name_or_path))
-    return AutoConfig.from_pretrained(name_or_path, **config_kwargs)
+    try:
+        return AutoConfig.from_pretrained(name_or_path, **config_kwargs)
+    except StrictDataclassError as error:
+        # transformers validates field types with huggingface_hub's strict dataclasses: a hand-edited
+        # value of the wrong type ends there, in a multi-line message.
+        raise ValueError(
+            f"{name_or_path}/config.json has a value of the wrong type: {' '.join(str(error).split())} Restore the "
+            "file as it was written, or fix that field."
+        ) from None
+
+
+def _expand_home(name_or_path: str | os.PathLike) -> str | os.PathLike:
+    """``~/ckpt`` as the folder it names (no Hub repo id starts with ``~``)."""
+    return Path(name_or_path).expanduser() if str(name_or_path).startswith("~") else name_or_path
 
 
 def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **from_pretrained_kwargs: Any) -> nn.Module:
@@ -310,6 +405,7 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
     """
     from transformers import AutoModelForCausalLM
 
+    name_or_path = _expand_home(name_or_path)
     config = from_pretrained_kwargs.pop("config", None)
     if config is None:
         config_kwargs = {key: from_pretrained_kwargs[key] for key in _CONFIG_KWARGS if key in from_pretrained_kwargs}

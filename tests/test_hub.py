@@ -332,7 +332,6 @@ def _edit_raw_config(folder: Path, edit) -> None:
     "method, edit, message",
     [
         ("yarn", lambda c: c["rope_parameters"].update(factor=8.0), "factor is 8.0 in rope_parameters, 4.0 in rope_scaling"),
-        ("yarn", lambda c: c["rope_parameters"].update(factor="8"), "factor is '8' in rope_parameters, 4.0 in rope_scaling"),
         ("dynamic-yarn", lambda c: c["rope_scaling"].update(factor=2.0), "factor is 4.0 in rope_parameters, 2.0 in rope_scaling"),
         ("ntk", lambda c: c["rope_parameters"].update(rope_theta=10000.0), r"rope_theta is 10000.0 in rope_parameters, .* at the top level"),
         ("ntk", lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 4.0}), "rope_parameters is plain RoPE"),
@@ -449,10 +448,14 @@ def test_failed_save_leaves_the_target_alone(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
 
 
-@pytest.mark.parametrize("failing", ["hf_rope_ext.hub._check_saved_config", "hf_rope_ext.files.give_umask_permissions"])
+@pytest.mark.parametrize(
+    "failing",
+    ["hf_rope_ext.hub._check_saved_config", "hf_rope_ext.files.give_umask_permissions", "hf_rope_ext.files._carry_over"],
+)
 def test_save_failing_after_staging_leaves_the_existing_target_byte_identical(tmp_path, monkeypatch, failing):
-    """The read-back check, or the last step before the folder swap (every file staged, the
-    user's files carried over), fails: the old checkpoint and the user's README are untouched."""
+    """The read-back check, the permissions of the staged files, or the carrying over of the
+    user's files (the last step before the folder swap) fails: the old checkpoint and the
+    user's README are untouched."""
     model = make_model("llama")
     _patch(model, "linear")
     target = save_patched(model, tmp_path / "ckpt", max_shard_size="20KB")  # several shards
@@ -518,6 +521,162 @@ def test_saved_checkpoint_and_card_get_the_users_umask_permissions(tmp_path):
     assert stat.S_IMODE(target.stat().st_mode) == 0o750
     assert {stat.S_IMODE(path.stat().st_mode) for path in target.iterdir()} == {0o640}
     assert stat.S_IMODE(card.stat().st_mode) == 0o640
+
+
+def test_saving_into_a_folder_keeps_the_modes_of_the_users_files(tmp_path):
+    """The checkpoint's files get the umask's modes; the user's files carried into the new
+    folder are hard links to the same inodes and must keep theirs (a 0600 token stays private)."""
+    model = make_model("llama")
+    _patch(model, "yarn")
+    target = tmp_path / "ckpt"
+    (target / "private").mkdir(parents=True)
+    modes = {"hf_token": 0o600, "run.sh": 0o755, "notes.md": 0o640}
+    for name, mode in modes.items():
+        (target / name).write_text(name)
+        os.chmod(target / name, mode)
+    os.chmod(target / "private", 0o700)
+    previous = os.umask(0o022)
+    try:
+        save_patched(model, target)
+    finally:
+        os.umask(previous)
+    assert {name: stat.S_IMODE((target / name).stat().st_mode) for name in modes} == modes
+    assert stat.S_IMODE((target / "private").stat().st_mode) == 0o700
+    assert stat.S_IMODE((target / "model.safetensors").stat().st_mode) == 0o644
+
+
+def test_merged_model_saved_over_its_adapter_loads_as_the_merged_model(tmp_path, caplog):
+    """An adapter left in the folder would be attached again by from_pretrained on top of the
+    merged weights: the save removes it (and pickled weights), and says so."""
+    from peft import LoraConfig, get_peft_model
+
+    model = make_model("llama")
+    _patch(model, "yarn")
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    target = tmp_path / "ckpt"
+    peft_model.save_pretrained(target)
+    (target / "pytorch_model.bin").write_bytes(b"stale pickled weights")
+    (target / "NOTES.md").write_text("mine")
+    merged = peft_model.merge_and_unload()
+    with caplog.at_level("WARNING", logger="hf_rope_ext.hub"):
+        save_patched(merged, target)
+    assert "adapter_config.json, adapter_model.safetensors, pytorch_model.bin" in caplog.text
+    names = {path.name for path in target.iterdir()}
+    assert "NOTES.md" in names and not names & {"adapter_config.json", "adapter_model.safetensors", "pytorch_model.bin"}
+    reloaded = load_patched(target, attn_implementation="eager").eval()
+    assert not any("lora" in name for name, _ in reloaded.named_modules())
+    ids = random_ids(LENGTH)
+    torch.testing.assert_close(_logits(reloaded, ids), _logits(merged, ids), rtol=0, atol=2e-5)
+
+
+def test_card_and_tokenizer_arguments_are_checked_before_anything_is_written(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    target = save_patched(model, tmp_path / "ckpt")
+    before = {path.name: path.read_bytes() for path in target.iterdir()}
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "assets" / "plot.png").write_bytes(b"png")
+    (tmp_path / "plot.png").write_bytes(b"other png")
+    cases = [
+        ({"card_assets": [tmp_path / "config.json"]}, ValueError, "would replace the checkpoint's own config.json"),
+        ({"card_assets": [tmp_path / "plot.png", tmp_path / "assets" / "plot.png"]}, ValueError, "several files named"),
+        ({"card_assets": [tmp_path / "assets"]}, FileNotFoundError, "is not a file"),
+        ({"card_assets": [3]}, TypeError, "card_assets must be file paths"),
+        ({"card": b"# card"}, TypeError, "card must be a huggingface_hub.ModelCard"),
+        ({"card": tmp_path / "missing.md"}, FileNotFoundError, "missing.md is not a file"),
+        ({"tokenizer": "gpt2"}, TypeError, "tokenizer must be a tokenizer object"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            save_patched(model, target, **kwargs)
+        assert {path.name: path.read_bytes() for path in target.iterdir()} == before
+    with pytest.raises(ValueError, match="no language-model head"):
+        save_patched(model.model, tmp_path / "inner")
+    (tmp_path / "card.md").write_text("# from a file\n")
+    save_patched(model, target, card=tmp_path / "card.md", card_assets=str(tmp_path / "plot.png"))
+    assert (target / "README.md").read_text() == "# from a file\n"
+    assert (target / "plot.png").read_bytes() == b"other png"  # one path, not its characters
+
+
+def test_save_paths_home_symlink_and_working_folder(tmp_path, monkeypatch):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    ids = random_ids(LENGTH)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    assert save_patched(model, "~/ckpt") == tmp_path / "home" / "ckpt"
+    torch.testing.assert_close(_logits(load_patched("~/ckpt").eval(), ids), _logits(model, ids), rtol=0, atol=2e-5)
+    # a symlinked folder is written where it points; the link stays a link
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    save_patched(model, tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real" / "config.json").is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["home", "link", "real"]
+    # the working folder (or one holding it) would be pulled from under the process
+    monkeypatch.chdir(tmp_path / "real")
+    for path in (".", "", tmp_path):
+        with pytest.raises(ValueError, match="current working folder or holds it"):
+            save_patched(model, path)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ValueError, match="a-file is a file, not a folder"):
+        save_patched(model, tmp_path / "a-file" / "ckpt")
+
+
+def test_hand_edited_values_of_the_wrong_type_or_not_finite_are_named(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    original = (folder / "config.json").read_text()
+
+    def edit_all_spellings(c):
+        c["rope_parameters"]["beta_fast"] = c["rope_scaling"]["beta_fast"] = "32"
+
+    _edit_raw_config(folder, edit_all_spellings)
+    with pytest.raises(ValueError, match=r"config.json has rope_parameters.beta_fast = '32'; it must be a number") as error:
+        load_patched(folder)
+    assert "\n" not in str(error.value)
+    assert cli_main(["runtimes", "--model-dir", str(folder)]) == 2
+    (folder / "config.json").write_text(original)
+    _edit_raw_config(folder, lambda c: c["rope_parameters"].update(factor="8"))  # one spelling only
+    with pytest.raises(ValueError, match=r"config.json has rope_parameters.factor = '8'; it must be a number"):
+        load_patched(folder)
+    (folder / "config.json").write_text(original)
+    _edit_raw_config(folder, lambda c: c.update(use_cache="yes"))
+    with pytest.raises(ValueError, match=r"config.json has a value of the wrong type: .*use_cache"):
+        load_patched(folder)  # a field this package does not check: transformers' message, on one line
+    (folder / "config.json").write_text(original)
+
+    def nan_in_both_spellings(c):
+        c["rope_parameters"]["beta_fast"] = c["rope_scaling"]["beta_fast"] = float("nan")
+
+    _edit_raw_config(folder, nan_in_both_spellings)
+    assert (folder / "config.json").read_text().count('"beta_fast": NaN') == 2
+    with pytest.raises(ValueError, match=r"rope_parameters.beta_fast = nan; it must be a finite number"):
+        load_patched(folder)
+
+
+def test_record_with_the_logn_spelling_or_unknown_keys(tmp_path):
+    model = make_model("llama")
+    patch_model(model, scale=4, method="yarn", logn_attention=True)
+    folder = save_patched(model, tmp_path / "ckpt")
+    ids = random_ids(LENGTH)
+    expected = _logits(model, ids)
+
+    def method_spelled_with_suffix(c):
+        c["hf_rope_ext"]["method"] = "yarn+logn"
+        c["hf_rope_ext"].pop("logn_attention")
+
+    _edit_raw_config(folder, method_spelled_with_suffix)
+    reloaded = load_patched(folder, attn_implementation="eager").eval()
+    assert get_patch_info(reloaded).logn_attention is True
+    torch.testing.assert_close(_logits(reloaded, ids), expected, rtol=0, atol=2e-5)
+    _edit_raw_config(folder, lambda c: c["hf_rope_ext"].update(logn_attention=False))
+    with pytest.raises(ValueError, match="method='yarn\\+logn' but logn_attention=false"):
+        load_patched(folder)
+    _edit_raw_config(folder, lambda c: (c["hf_rope_ext"].pop("logn_attention"), c["hf_rope_ext"].update(logn_atention=True)))
+    with pytest.raises(ValueError, match=r"has unknown keys \['logn_atention'\]"):
+        load_patched(folder)
 
 
 def test_phi3_with_its_default_original_context_saves_and_loads(tmp_path):
@@ -876,3 +1035,31 @@ def test_model_card_inputs_are_checked(tmp_path):
         render_model_card(config, base_model="org/tiny-base", eval_dir=bad)
     with pytest.raises(ValueError, match="no hf_rope_ext record"):
         render_model_card(make_config("llama"), base_model="org/tiny-base")
+
+
+def test_patching_a_patched_checkpoint_loaded_plainly_is_refused(tmp_path):
+    """ntk writes a plain rope_type with a larger rope_theta: loaded with plain from_pretrained
+    and patched again, the scaling would be stacked on the scaling, from false originals."""
+    model = make_model("llama")
+    _patch(model, "ntk")
+    folder = save_patched(model, tmp_path / "ckpt")
+    plain = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    with pytest.raises(ValueError, match=r"saved with an hf_rope_ext patch \(ntk x4.0 from 32 tokens\).*load_patched"):
+        patch_model(plain, scale=2, method="linear")
+    assert get_patch_info(plain) is None
+    restored = load_patched(folder, attn_implementation="eager")
+    patch_model(restored, scale=2, method="linear")  # re-patched from the original
+    info = get_patch_info(restored)
+    assert (info.original_max_position_embeddings, info.original_rope_theta) == (L0, 10000.0)
+
+
+def test_saving_a_patched_model_whose_config_was_edited_in_memory_names_the_cause(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    model.config.max_position_embeddings = 2 * L0
+    with pytest.raises(ValueError, match="changed after patch_model.*max_position_embeddings.*call patch_model again"):
+        save_patched(model, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    _patch(model, "yarn")
+    save_patched(model, tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["max_position_embeddings"] == 4 * L0
