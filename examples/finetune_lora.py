@@ -16,8 +16,11 @@ machine without CUDA this starts CPU processes joined over gloo (`accelerate lau
 
 Interrupted? Run the same command with --resume: it continues from the newest checkpoint in
 <output-dir>/checkpoints at the same step and data position. Everything is written under
---output-dir: checkpoints/, adapter/, merged/ (loads with AutoModelForCausalLM.from_pretrained
-after `import hf_rope_ext`), train_log.jsonl and training_summary.json. All arguments:
+--output-dir: checkpoints/, adapter/, merged/, train_log.jsonl and training_summary.json.
+merged/ loads with AutoModelForCausalLM.from_pretrained after `import hf_rope_ext`, except for
+attention-level methods (self-extend, dual-chunk, self-extend-yarn, dynamic-yarn-dca,
+self-extend-dca, any +logn): from_pretrained rebuilds only their frequencies (it warns), so
+load those with hf_rope_ext.hub.load_patched. All arguments:
 `python examples/finetune_lora.py --help` (the underscore spellings of earlier versions,
 such as --text_files and --output_dir, are still accepted).
 """
@@ -31,6 +34,7 @@ import sys
 
 from hf_rope_ext.arguments import argument_parser
 from hf_rope_ext.training import add_finetune_arguments, config_from_args, finetune
+from hf_rope_ext.training.model import needs_load_patched
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,11 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except FloatingPointError as error:  # the loss became nan/inf: a failed run, not bad input
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     if summary:  # the main process
         keys = ("method", "scale", "target_length", "pose", "steps", "tokens_seen", "tokens_per_second", "final_loss", "wall_time_s")
         print(json.dumps({key: summary[key] for key in keys}, indent=2))
         print(f"Adapter: {config.output_dir}/adapter")
-        if summary["merged_dir"]:
+        if summary["merged_dir"] and needs_load_patched(summary["method"]):
+            print(f"Merged model: {config.output_dir}/merged (load it with hf_rope_ext.hub.load_patched: "
+                  f"{summary['method']} patches attention, which plain from_pretrained does not rebuild)")
+        elif summary["merged_dir"]:
             print(f"Merged model: {config.output_dir}/merged")
     return 0
 

@@ -7,8 +7,11 @@ forms of the PoSE scheme, and uninterrupted / single-process runs for resumed / 
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
+import shutil
 import socket
 import stat
 import string
@@ -24,6 +27,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import hf_rope_ext  # noqa: F401  (registers this package's rope types with transformers)
 from hf_rope_ext import config_io, get_method, get_patch_info, patch_model
+from hf_rope_ext.hub import save_patched
 from hf_rope_ext.training import (
     FinetuneConfig,
     LoraSettings,
@@ -42,7 +46,7 @@ from hf_rope_ext.training import checkpoint as checkpoint_module
 from hf_rope_ext.training import model as model_module
 from hf_rope_ext.training import trainer as trainer_module
 from hf_rope_ext.training.environment import check_environment
-from hf_rope_ext.training.outputs import check_output_dir
+from hf_rope_ext.training.outputs import check_output_dir, truncate_log
 
 from conftest import FAMILIES, ORIGINAL_CONTEXT, make_config, make_model, native_twin
 
@@ -377,6 +381,99 @@ def test_resume_refuses_different_settings(tiny_model, varied_text, tmp_path, mo
         finetune(config_for(tiny_model, output, varied_text, max_steps=4, save_steps=2, resume=True, learning_rate=5e-3))
 
 
+# What the resume tests below start from: a run killed in step 3, its checkpoint at step 2.
+RESUME_SETTINGS = dict(max_steps=4, save_steps=2, method_params='{"beta_fast": 32}')
+
+
+@pytest.fixture(scope="module")
+def killed_run(tiny_model, varied_text, tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("killed") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        _kill_during_step(patch, step=3)
+        with pytest.raises(Killed):
+            finetune(config_for(tiny_model, output, varied_text, **RESUME_SETTINGS))
+    assert [step for step, _ in list_checkpoints(output / "checkpoints")] == [2]
+    return output
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run, tmp_path / "run"))
+
+
+def test_resume_refuses_another_base_model_before_loading_it(tiny_model, varied_text, killed_run, tmp_path):
+    output = copy_of(killed_run, tmp_path)
+    other = save_tiny(tmp_path / "other", seed=1)  # same config and file sizes, other weights
+    moved = shutil.copytree(tiny_model, tmp_path / "moved")  # the same model in another folder
+    trainer_module.prepare_run(config_for(moved, output, varied_text, resume=True, **RESUME_SETTINGS))
+    with pytest.raises(ValueError, match=r"Cannot resume.*base_model: 'config (\w+), weights \w+' -> 'config \1, weights "):
+        trainer_module.prepare_run(config_for(other, output, varied_text, resume=True, **RESUME_SETTINGS))
+
+
+def test_resume_of_a_checkpoint_without_a_base_model_record_says_why(tiny_model, varied_text, killed_run, tmp_path):
+    output = copy_of(killed_run, tmp_path)
+    state_file = output / "checkpoints" / "step-0000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["run"]["base_model"]  # as written before the base model was recorded
+    state_file.write_text(json.dumps(state))
+    before = {path: path.read_bytes() for path in output.rglob("*") if path.is_file()}
+    with pytest.raises(ValueError, match="written by an earlier version of hf_rope_ext, which did not record the base model"):
+        trainer_module.prepare_run(config_for(tiny_model, output, varied_text, resume=True, **RESUME_SETTINGS))
+    assert {path: path.read_bytes() for path in output.rglob("*") if path.is_file()} == before
+
+
+def test_resume_accepts_settings_that_mean_the_same(tiny_model, varied_text, killed_run, tmp_path):
+    output = copy_of(killed_run, tmp_path)
+    with open(output / "train_log.jsonl", "a") as log:
+        log.write('{"step": 3, "loss": 4.8')  # the cut-off line a run killed while logging leaves
+    same = dict(RESUME_SETTINGS, method_params='{"beta_fast":32}', lora_target_modules=list(reversed(default_lora_targets(make_model()))))
+    summary = finetune(config_for(tiny_model, output, varied_text, resume=True, **same))
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
+    assert [json.loads(line)["step"] for line in (output / "train_log.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    # while other targets are still refused, before the model is loaded
+    with pytest.raises(ValueError, match="lora_target_modules"):
+        trainer_module.prepare_run(config_for(tiny_model, copy_of(killed_run, tmp_path / "again"), varied_text, resume=True,
+                                              **dict(RESUME_SETTINGS, lora_target_modules=["q_proj", "v_proj"])))
+
+
+@pytest.mark.parametrize("file, damage", [("trainable.safetensors", "cut"), ("optimizer.json", "cut"),
+                                          ("trainer_state.json", "cut"), ("trainer_state.json", "no scheduler")])
+def test_damaged_checkpoint_is_refused_naming_the_file_and_the_fix(tiny_model, varied_text, killed_run, tmp_path, file, damage):
+    output = copy_of(killed_run, tmp_path)
+    checkpoint = output / "checkpoints" / "step-0000002"
+    if damage == "cut":
+        (checkpoint / file).write_bytes((checkpoint / file).read_bytes()[:40])
+    else:
+        state = json.loads((checkpoint / file).read_text())
+        del state["scheduler"]
+        (checkpoint / file).write_text(json.dumps(state))
+    before = {path: path.read_bytes() for path in output.rglob("*") if path.is_file()}
+    with pytest.raises(ValueError) as error:
+        finetune(config_for(tiny_model, output, varied_text, resume=True, **RESUME_SETTINGS))
+    message = str(error.value)
+    assert message.startswith(f"Checkpoint {checkpoint} is damaged: {file} ") and "\n" not in message
+    assert f"Delete the folder {checkpoint} to resume from the previous checkpoint" in message
+    assert {path: path.read_bytes() for path in output.rglob("*") if path.is_file()} == before  # nothing lost
+
+
+def test_cut_off_last_log_line_is_dropped_and_other_bad_lines_are_refused(tiny_model, varied_text, killed_run, tmp_path, caplog):
+    log = tmp_path / "train_log.jsonl"
+    records = [json.dumps({"step": step, "loss": 1.0}) for step in (1, 2, 3)]
+    log.write_text("".join(record + "\n" for record in records) + '{"step": 4, "lo')
+    with caplog.at_level(logging.WARNING):
+        truncate_log(log, 2)
+    assert log.read_text() == records[0] + "\n" + records[1] + "\n"
+    assert "cut-off last line 4" in caplog.text
+    log.write_text(records[0] + "\n" + '{"step": 2, "lo' + "\n" + records[2] + "\n")
+    with pytest.raises(ValueError, match=r"train_log.jsonl line 2 is not a log record"):
+        truncate_log(log, 3)
+    # A resume finds it before loading the model, and changes nothing.
+    output = copy_of(killed_run, tmp_path)
+    (output / "train_log.jsonl").write_text('{"step": 1, "lo\n' + records[1] + "\n")
+    with pytest.raises(ValueError, match=r"train_log.jsonl line 1 is not a log record"):
+        trainer_module.prepare_run(config_for(tiny_model, output, varied_text, resume=True, **RESUME_SETTINGS))
+    assert (output / "train_log.jsonl").read_text() == '{"step": 1, "lo\n' + records[1] + "\n"
+
+
 def test_crash_while_saving_keeps_the_previous_checkpoint(tiny_model, varied_text, tmp_path, monkeypatch):
     output = tmp_path / "run"
     original_save = checkpoint_module.save_file
@@ -449,12 +546,96 @@ def check_before_training(config: FinetuneConfig) -> None:
         (dict(max_steps=0), "--max-steps"),
         (dict(lora_dropout=1.5), "dropout"),
         (dict(max_grad_norm=-1.0), "--max-grad-norm"),
+        # non-finite and out-of-range numbers that used to fail late, or silently (nan: no clipping)
+        (dict(learning_rate=float("inf")), "--learning-rate"),
+        (dict(learning_rate=float("nan")), "--learning-rate"),
+        (dict(lora_alpha=float("inf")), "--lora-alpha"),
+        (dict(max_grad_norm=float("nan")), "--max-grad-norm"),
+        (dict(weight_decay=-5.0), "--weight-decay"),
+        (dict(weight_decay=float("nan")), "--weight-decay"),
+        (dict(seed=-1), "--seed"),
+        (dict(seed=2**32), "--seed"),
+        (dict(seed=1.5), "--seed"),
+        # PoSE: a 2-token window has no label left once the label after its first chunk is masked
+        (dict(window=2), "--window of at least 3"),
     ],
 )
 def test_bad_input_is_refused_before_training(tiny_model, varied_text, tmp_path, overrides, message):
     output = tmp_path / "run"
     with pytest.raises(ValueError, match=message):
         check_before_training(config_for(tiny_model, output, varied_text, **overrides))
+    assert not output.exists()
+
+
+def test_pose_window_of_three_is_the_smallest_with_a_label_in_every_example():
+    """The bound resolve_lengths enforces, counted on PoSE examples: window 2 can have no label
+    token (labels[1:], as the loss takes them), window 3 always has one."""
+    document = torch.arange(4 * L0)
+    for window, fewest in ((2, 0), (3, 1)):
+        windows = PackedWindows([document], window, target_length=4 * L0, pose=True, seed=0)
+        counts = [int((windows.example(i)["labels"][1:] != -100).sum()) for i in range(200)]
+        assert min(counts) == fewest
+
+
+def test_a_step_without_label_tokens_names_the_window():
+    class NoLabels:  # what a step of 2-token PoSE windows can be
+        def example(self, index):
+            return {"labels": torch.tensor([5, -100])}
+
+    class OneProcess:
+        num_processes, process_index, device = 1, 0, torch.device("cpu")
+
+    with pytest.raises(ValueError, match="no label token.*--window"):
+        trainer_module.train_step(OneProcess(), None, NoLabels(), [0, 1], 1, False)
+
+
+def test_output_dir_naming_a_file_is_refused_before_training(tiny_model, varied_text, tmp_path):
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    for output, where in ((existing, "is a file"), (existing / "run", f"is inside {existing}, a file")):
+        with pytest.raises(ValueError, match=f"--output-dir {output} {where}, not a folder"):
+            check_output_dir(config_for(tiny_model, output, varied_text))
+    assert existing.read_text() == "keep me"
+
+
+def test_list_settings_given_a_single_value_are_refused(varied_text):
+    settings = dict(model="m", output_dir="unused", scale=4)
+    for value in (str(varied_text), varied_text):  # would be read as "/", "t", "m", ...
+        with pytest.raises(TypeError, match=r"text_files must be a list, e.g. text_files=\["):
+            FinetuneConfig(text_files=value, **settings).validate()
+    with pytest.raises(TypeError, match="lora_target_modules must be a list"):
+        FinetuneConfig(text_files=[str(varied_text)], lora_target_modules="q_proj", **settings).validate()
+    with pytest.raises(TypeError, match="target_modules must be a list"):
+        LoraSettings(target_modules="q_proj").validate()
+
+
+@pytest.mark.parametrize("target", ["mlp", "self_attn", "input_layernorm"])
+def test_lora_targets_that_are_not_layers_lora_can_wrap_are_refused(target):
+    """Modules that exist but are blocks or norms: one line listing what can be adapted."""
+    with pytest.raises(ValueError) as error:
+        apply_lora(make_model("llama"), LoraSettings(rank=4, target_modules=["q_proj", target]))
+    message = str(error.value)
+    assert message.startswith(f"LoRA can adapt only linear, embedding and convolution layers, not {target} (") and "\n" not in message
+    assert "'q_proj'" in message and "'embed_tokens'" in message and "'input_layernorm'" not in message
+
+
+def test_patched_model_or_adapter_folder_is_refused_as_the_base_before_loading(tiny_model, varied_text, tmp_path):
+    merged = make_model("llama")
+    patch_model(merged, 4, "yarn")
+    save_patched(merged, tmp_path / "merged", tokenizer=char_tokenizer())
+    scaled = Path(shutil.copytree(tiny_model, tmp_path / "scaled"))  # scaled by hand: no hf_rope_ext record
+    config = json.loads((scaled / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": 2.0}
+    (scaled / "config.json").write_text(json.dumps(config))
+    output = tmp_path / "run"
+    for model, rope_type in ((tmp_path / "merged", "yarn"), (scaled, "linear")):
+        with pytest.raises(ValueError, match=rf"already context-extended \(rope_type '{rope_type}'\): pass the original base model"):
+            trainer_module.prepare_run(config_for(model, output, varied_text))
+    adapter = tmp_path / "lora-out"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base-model", "peft_type": "LORA"}))
+    with pytest.raises(ValueError, match=r"is a LoRA adapter folder, not a model: pass its base model \(org/base-model\)"):
+        trainer_module.prepare_run(config_for(adapter, output, varied_text))
     assert not output.exists()
 
 
@@ -606,6 +787,44 @@ def test_example_script_reports_bad_input(tiny_model, tmp_path):
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert result.returncode == 2 and "Text file not found" in result.stderr
+
+
+def load_example_script():
+    spec = importlib.util.spec_from_file_location("finetune_lora_example", REPO / "examples" / "finetune_lora.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SCRIPT_ARGUMENTS = ["--model", "m", "--output-dir", "out", "--text-files", "a.txt", "--scale", "4"]
+
+
+def test_example_script_reports_a_diverged_run_in_one_line(monkeypatch, capsys):
+    script = load_example_script()
+
+    def diverge(config):
+        raise FloatingPointError("The loss became nan at step 3; lower --learning-rate or check the data.")
+
+    monkeypatch.setattr(script, "finetune", diverge)
+    assert script.main(SCRIPT_ARGUMENTS) == 1
+    assert capsys.readouterr().err == "error: The loss became nan at step 3; lower --learning-rate or check the data.\n"
+
+
+@pytest.mark.parametrize("method, needs_load_patched", [
+    ("self-extend", True), ("dual-chunk", True), ("self-extend-yarn", True), ("dynamic-yarn-dca", True),
+    ("self-extend-dca", True), ("yarn+logn", True), ("yarn", False), ("linear", False), ("dynamic-yarn", False),
+])
+def test_example_script_says_how_to_load_the_merged_model(monkeypatch, capsys, method, needs_load_patched):
+    """Plain from_pretrained rebuilds only the frequencies of attention-level patches."""
+    script = load_example_script()
+    summary = dict(method=method, scale=4.0, target_length=128, pose=True, steps=1, tokens_seen=32, tokens_per_second=1.0,
+                   final_loss=1.0, wall_time_s=1.0, merged_dir="merged")
+    monkeypatch.setattr(script, "finetune", lambda config: summary)
+    assert script.main(SCRIPT_ARGUMENTS) == 0
+    merged_line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Merged model: out/merged")]
+    assert len(merged_line) == 1 and ("hf_rope_ext.hub.load_patched" in merged_line[0]) == needs_load_patched
+    for doc in (script.__doc__, trainer_module.__doc__):
+        assert "hf_rope_ext.hub.load_patched" in " ".join(doc.split()) and "self-extend-dca" in doc
 
 
 # -- the real model --------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..files import atomic_directory, atomic_write_json
@@ -39,6 +40,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "read_trainer_state",
     "save_checkpoint",
 ]
 
@@ -211,6 +213,48 @@ def save_checkpoint(
     return final
 
 
+# What a resumed run reads from trainer_state.json and optimizer.json.
+REQUIRED_STATE_KEYS = ("step", "tokens_seen", "train_time_s", "losses", "scheduler", "run", "data")
+REQUIRED_OPTIMIZER_KEYS = ("param_names", "param_groups")
+
+
+def damaged(path: Path, file: str, problem: str) -> ValueError:
+    """The one error for a checkpoint that cannot be read (a run killed while writing, a full disk)."""
+    return ValueError(
+        f"Checkpoint {path} is damaged: {file} {problem}. Delete the folder {path} to resume from the previous "
+        "checkpoint, or start afresh in a new --output-dir."
+    )
+
+
+def _read_json(path: Path, file: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    try:
+        record = json.loads((path / file).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise damaged(path, file, "is missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise damaged(path, file, f"is not valid JSON ({error})") from None
+    if not isinstance(record, dict):
+        raise damaged(path, file, "is not a JSON object")
+    missing = [key for key in required if key not in record]
+    if missing:
+        raise damaged(path, file, f"lacks {missing}")
+    return record
+
+
+def _read_tensors(path: Path, file: str) -> dict[str, torch.Tensor]:
+    if not (path / file).is_file():
+        raise damaged(path, file, "is missing")
+    try:
+        return load_file(str(path / file))
+    except SafetensorError as error:
+        raise damaged(path, file, f"cannot be read ({error})") from None
+
+
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """``trainer_state.json`` of a checkpoint, with the keys a resume needs (``ValueError`` otherwise)."""
+    return _read_json(Path(path), STATE_FILE, REQUIRED_STATE_KEYS)
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -221,17 +265,20 @@ def load_checkpoint(
     """Load a checkpoint: sets the optimizer state and this process's RNG states.
 
     Returns ``(trainable tensors, trainer state)``; the caller copies the tensors into the model.
+    A file that is missing, cut off or lacks what a resume reads raises one ``ValueError``
+    naming the checkpoint, the file and the fix.
     """
     path = Path(path)
-    if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {STATE_FILE}).")
-    trainer_state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    trainable = load_file(str(path / "trainable.safetensors"))
-    optimizer_meta = json.loads((path / "optimizer.json").read_text(encoding="utf-8"))
-    load_optimizer_state(optimizer, param_names, load_file(str(path / "optimizer.safetensors")), optimizer_meta)
+    trainer_state = read_trainer_state(path)
+    trainable = _read_tensors(path, "trainable.safetensors")
+    missing = [name for name in param_names if name not in trainable]
+    if missing:
+        raise damaged(path, "trainable.safetensors", f"lacks {len(missing)} trained parameters ({missing[0]}, ...)")
+    optimizer_meta = _read_json(path, "optimizer.json", REQUIRED_OPTIMIZER_KEYS)
+    load_optimizer_state(optimizer, param_names, _read_tensors(path, "optimizer.safetensors"), optimizer_meta)
     rng_file = path / f"rng-rank{rank}.safetensors"
     if rng_file.is_file():
-        set_rng_state(load_file(str(rng_file)), json.loads((path / f"rng-rank{rank}.json").read_text(encoding="utf-8")))
+        set_rng_state(_read_tensors(path, rng_file.name), _read_json(path, f"rng-rank{rank}.json", ("python",)))
     else:
         logger.warning(
             "%s has no RNG state for process %d (saved with %s processes): dropout masks will differ "

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["FinetuneConfig", "Lengths", "SCHEDULERS", "add_finetune_arguments", "config_from_args", "resolve_lengths"]
 
 SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def is_finite(value: Any) -> bool:
+    """A real number, not a bool, neither infinite nor NaN."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def flag(name: str) -> str:
@@ -99,6 +105,11 @@ class FinetuneConfig:
         """
         if not self.output_dir:
             raise ValueError("output_dir is required: every output of the run is written under it.")
+        for name in ("text_files", "lora_target_modules"):
+            value = getattr(self, name)
+            # A lone string would be read as a list of its characters.
+            if isinstance(value, (str, bytes, os.PathLike)):
+                raise TypeError(f"{name} must be a list, e.g. {name}=[{str(value)!r}], got the single value {value!r}.")
         if not self.text_files and not self.dataset:
             raise ValueError("No training text: give --text-files FILE [FILE ...] or --dataset NAME.")
         if self.text_files and self.dataset:
@@ -117,12 +128,19 @@ class FinetuneConfig:
                 raise ValueError(f"{flag(name)} must be >= 0, got {getattr(self, name)}.")
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"--warmup-steps ({self.warmup_steps}) must be smaller than --max-steps ({self.max_steps}).")
-        if not self.learning_rate > 0:
-            raise ValueError(f"--learning-rate must be > 0, got {self.learning_rate}.")
+        # NaN passes every comparison's negation and inf only fails later, inside the optimizer.
+        if not is_finite(self.learning_rate) or self.learning_rate <= 0:
+            raise ValueError(f"--learning-rate must be a finite number > 0, got {self.learning_rate!r}.")
         if self.lr_scheduler not in SCHEDULERS:
             raise ValueError(f"--lr-scheduler must be one of {sorted(SCHEDULERS)}, got {self.lr_scheduler!r}.")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"--max-grad-norm must be >= 0 (0 turns clipping off), got {self.max_grad_norm}.")
+        if not is_finite(self.max_grad_norm) or self.max_grad_norm < 0:
+            raise ValueError(
+                f"--max-grad-norm must be a finite number >= 0 (0 turns clipping off), got {self.max_grad_norm!r}."
+            )
+        if not is_finite(self.weight_decay) or self.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed must be an integer in [0, 2**32), got {self.seed!r}.")
         if self.dataset_limit is not None and self.dataset_limit < 1:
             raise ValueError(f"--dataset-limit must be a positive number of rows, got {self.dataset_limit}.")
         self.lora_settings().validate()
@@ -208,6 +226,12 @@ def resolve_lengths(config: FinetuneConfig, model_config: Any) -> Lengths:
     target = math.floor(original * scale + 0.5)
     if config.pose:
         window = config.window or original
+        # l1 >= 1 and, after a content skip, the label after the first chunk is masked: a window
+        # of W tokens has W - 2 labels, so W = 2 can leave a step with nothing to learn from.
+        if window < 3:
+            raise ValueError(
+                f"PoSE needs --window of at least 3 tokens (a 2-token window can have no label), got {window}."
+            )
         if window > original:
             raise ValueError(
                 f"PoSE windows must fit the original context: --window {window} > {original}. "

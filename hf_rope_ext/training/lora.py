@@ -10,6 +10,8 @@ fine-tuning unless the input embeddings and the normalization layers are trained
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -45,8 +47,10 @@ class LoraSettings:
     def validate(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}.")
-        if not self.alpha > 0:
-            raise ValueError(f"LoRA alpha must be > 0, got {self.alpha!r}.")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not 0 < self.alpha < math.inf:
+            raise ValueError(f"LoRA alpha (--lora-alpha) must be a finite number > 0, got {self.alpha!r}.")
+        if isinstance(self.target_modules, (str, bytes)):  # would be read character by character
+            raise TypeError(f"target_modules must be a list, e.g. [{self.target_modules!r}], got a single string.")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}.")
 
@@ -106,6 +110,12 @@ def embedding_module_names(model: nn.Module) -> list[str]:
     return names[:1]
 
 
+def _adaptable(module: nn.Module) -> bool:
+    """A layer peft's LoRA can wrap (4-bit linear layers subclass nn.Linear; GPT-2 style Conv1D too)."""
+    kinds = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
+    return isinstance(module, kinds) or type(module).__name__ == "Conv1D"
+
+
 def _ties_output_head(model: nn.Module) -> bool:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return head is not None and head.weight is model.get_input_embeddings().weight
@@ -126,12 +136,24 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
         modules_to_save += embedding_module_names(model)
     if settings.train_norms:
         modules_to_save += norm_module_names(model)
-    present = {_leaf_name(name) for name, _ in model.named_modules()}
+    present, other = set(), {}  # every leaf name; leaf name -> classes of its modules LoRA cannot wrap
+    for name, module in model.named_modules():
+        present.add(_leaf_name(name))
+        if not _adaptable(module):
+            other.setdefault(_leaf_name(name), set()).add(type(module).__name__)
     missing = [target for target in targets if target not in present]
     if missing:
         raise ValueError(
             f"LoRA target modules {missing} are not in {type(model).__name__}; it has linear layers "
             f"{default_lora_targets(model)}."
+        )
+    # peft refuses other modules (blocks, norms) with a message that dumps the whole module.
+    unsupported = [f"{target} ({'/'.join(sorted(other[target]))})" for target in targets if target in other]
+    if unsupported:
+        adaptable = sorted(leaf for leaf in present - set(other) if leaf)
+        raise ValueError(
+            f"LoRA can adapt only linear, embedding and convolution layers, not {', '.join(unsupported)}; "
+            f"pick from {adaptable}."
         )
     config = LoraConfig(
         r=settings.rank,

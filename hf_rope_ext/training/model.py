@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 from .. import get_patch_info, patch_model
+from ..methods import LOGN_SUFFIX, get_method
 from ..spec import PatchSpec
 from .config import FinetuneConfig, Lengths
 from .lora import LoraSettings, apply_lora
 
-__all__ = ["ROPE_PATCH_FILE", "build_model", "load_adapter_model", "merge_adapter", "rope_patch_record"]
+__all__ = ["ROPE_PATCH_FILE", "build_model", "load_adapter_model", "merge_adapter", "needs_load_patched", "rope_patch_record"]
 
 ROPE_PATCH_FILE = "rope_patch.json"
 
@@ -42,6 +43,13 @@ def load_base(config: FinetuneConfig, path: str, device: torch.device, quantized
         **kwargs,
     )
     return model, tokenizer
+
+
+def needs_load_patched(method: str) -> bool:
+    """Whether a checkpoint patched with ``method`` needs :func:`hf_rope_ext.hub.load_patched`:
+    attention-level methods and log-n attention change attention, which a plain
+    ``from_pretrained`` does not rebuild (it restores the frequencies only, and warns)."""
+    return method.endswith(LOGN_SUFFIX) or get_method(method).attention is not None
 
 
 def rope_patch_record(model) -> dict[str, Any]:

@@ -8,7 +8,9 @@ or none, never a partial one.
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
+import logging
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +33,8 @@ __all__ = [
     "append_log",
     "check_output_dir",
     "check_resume_state",
+    "model_identity",
+    "read_log",
     "remove_stale_staging",
     "run_fingerprint",
     "save_outputs",
@@ -43,6 +47,8 @@ LOG_FILE = "train_log.jsonl"
 # Parts of the names atomic_directory, save_patched and save_checkpoint give their temporary
 # folders (".<name>.staging-XXXX"). Not ".old-": a run killed mid-swap may have only that copy.
 STAGING_MARKERS = (".staging-", ".saving-")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,6 +64,10 @@ class Progress:
 def check_output_dir(config: FinetuneConfig) -> Path | None:
     """The checkpoint to resume from, if any; refuses to overwrite an earlier run's outputs."""
     output_dir = Path(config.output_dir)
+    existing = next((path for path in (output_dir, *output_dir.parents) if path.exists()), None)
+    if existing is not None and not existing.is_dir():  # found here, not by mkdir once the model has loaded
+        where = "is a file" if existing == output_dir else f"is inside {existing}, a file"
+        raise ValueError(f"--output-dir {output_dir} {where}, not a folder. Choose a folder for the run's outputs.")
     checkpoints = output_dir / "checkpoints"
     latest = ckpt.latest_checkpoint(checkpoints)
     finished = [name for name in ("adapter", "merged", SUMMARY_FILE) if (output_dir / name).exists()]
@@ -83,25 +93,68 @@ def remove_stale_staging(folder: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def run_fingerprint(config: FinetuneConfig, lengths: Lengths, global_batch: int) -> dict[str, Any]:
-    """Settings a resumed run must share with the run that wrote the checkpoint."""
-    keys = ("method", "method_params", "pose", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules",
-            "train_embeddings", "train_norms", "max_steps", "learning_rate", "weight_decay", "warmup_steps",
-            "lr_scheduler", "max_grad_norm", "seed", "shuffle", "load_in_4bit", "bf16")
+# How much of each end of a weight file model_identity reads: enough to tell models apart
+# (the header names the tensors, the data differs), cheap for multi-GB files.
+SAMPLE_BYTES = 1 << 20
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def model_identity(model_path: str, model_config: Any) -> str:
+    """A short fingerprint of the base model, so a resume on another model is refused.
+
+    A local folder: a hash of config.json and of the weight files' names, sizes and first and
+    last MiB (not the whole multi-GB weights). A Hub id: the id at its resolved commit.
+    """
+    folder = Path(model_path)
+    if not folder.is_dir():
+        return f"{model_path}@{getattr(model_config, '_commit_hash', None) or 'unknown revision'}"
+    weights = hashlib.sha256()
+    for path in sorted(path for path in folder.iterdir() if path.suffix in WEIGHT_SUFFIXES and path.is_file()):
+        size = path.stat().st_size
+        weights.update(f"{path.name}:{size}:".encode())
+        with open(path, "rb") as handle:
+            weights.update(handle.read(SAMPLE_BYTES))
+            handle.seek(max(size - SAMPLE_BYTES, handle.tell()))
+            weights.update(handle.read(SAMPLE_BYTES))
+    config_hash = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
+    return f"config {config_hash[:16]}, weights {weights.hexdigest()[:16]}"
+
+
+def run_fingerprint(config: FinetuneConfig, lengths: Lengths, global_batch: int, base_model: str) -> dict[str, Any]:
+    """Settings a resumed run must share with the run that wrote the checkpoint.
+
+    Values are compared as meant, not as typed: the parsed method parameters, and the LoRA
+    targets as a sorted list (None until the model resolves the default; see the trainer).
+    """
+    keys = ("method", "pose", "lora_rank", "lora_alpha", "lora_dropout", "train_embeddings", "train_norms",
+            "max_steps", "learning_rate", "weight_decay", "warmup_steps", "lr_scheduler", "max_grad_norm", "seed",
+            "shuffle", "load_in_4bit", "bf16")
     fingerprint = {key: getattr(config, key) for key in keys}
+    fingerprint["method_params"] = config.parsed_method_params()
+    fingerprint["lora_target_modules"] = sorted(set(config.lora_target_modules)) if config.lora_target_modules else None
+    fingerprint["base_model"] = base_model
     fingerprint.update(asdict(lengths))
     fingerprint["global_batch"] = global_batch
     return fingerprint
 
 
-def check_resume_state(state: dict[str, Any], run: dict[str, Any], data: dict[str, Any]) -> None:
+def check_resume_state(state: dict[str, Any], run: dict[str, Any], data: dict[str, Any], *, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse a checkpoint written with other settings, data or base model (``ignore``: settings not known yet)."""
+    if isinstance(state.get("run"), dict) and "base_model" not in state["run"]:
+        raise ValueError(
+            "Cannot resume: the checkpoint was written by an earlier version of hf_rope_ext, which did not record the "
+            "base model, so a resume could not be checked. Start afresh in a new --output-dir (the checkpoint is left "
+            "as it is)."
+        )
     for label, saved, now in (("settings", state.get("run"), run), ("training data", state.get("data"), data)):
+        saved = {key: value for key, value in (saved or {}).items() if key not in ignore}
+        now = {key: value for key, value in now.items() if key not in ignore}
         if saved != now:
-            differing = sorted(key for key in set(saved or {}) | set(now) if (saved or {}).get(key) != now.get(key))
-            details = ", ".join(f"{key}: {(saved or {}).get(key)!r} -> {now.get(key)!r}" for key in differing[:6])
+            differing = sorted(key for key in set(saved) | set(now) if saved.get(key) != now.get(key))
+            details = ", ".join(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in differing[:6])
             raise ValueError(
                 f"Cannot resume: the checkpoint was written with different {label} ({details}). "
-                "Resume with the same arguments and data, or start a new --output-dir."
+                "Resume with the same --model, arguments and data, or start a new --output-dir."
             )
 
 
@@ -202,9 +255,39 @@ def append_log(path: Path, record: dict[str, Any]) -> None:
         handle.write(json.dumps(record) + "\n")
 
 
-def truncate_log(path: Path, step: int) -> None:
-    """Keep the log lines up to ``step`` (a resumed run rewrites what came after its checkpoint)."""
+def read_log(path: Path, step: int) -> list[str] | None:
+    """The lines of the log up to ``step`` (None: no log).
+
+    A cut-off last line is what a run killed while writing leaves: it is dropped with a warning.
+    A bad line elsewhere means the log was damaged otherwise, and raises ``ValueError``.
+    """
     if not path.is_file():
-        return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    atomic_write_text(path, "".join(line + "\n" for line in kept))
+        return None
+    if step == 0:  # a fresh start keeps nothing of a run killed before its first checkpoint
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            entry_step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            if number == len(lines):
+                logger.warning("%s: dropping its cut-off last line %d (%s).", path, number, error)
+                continue
+            raise ValueError(
+                f"{path} line {number} is not a log record ({error}). Delete or fix that line, or start afresh in a "
+                "new --output-dir."
+            ) from None
+        if entry_step <= step:
+            kept.append(line)
+    return kept
+
+
+def truncate_log(path: Path, step: int, kept: list[str] | None = None) -> None:
+    """Keep the log lines up to ``step`` (a resumed run rewrites what came after its checkpoint);
+    ``kept``: those lines, as :func:`read_log` returned them already."""
+    kept = read_log(path, step) if kept is None else kept
+    if kept is not None:
+        atomic_write_text(path, "".join(line + "\n" for line in kept))

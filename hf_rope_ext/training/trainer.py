@@ -8,6 +8,10 @@ and writes under ``output_dir``::
     adapter/                    the peft adapter + rope_patch.json (how to re-patch the base)
     merged/                     LoRA merged into the patched model: config.json carries the
                                 rope scaling, loads with AutoModelForCausalLM.from_pretrained
+                                after ``import hf_rope_ext``; for attention-level methods
+                                (self-extend, dual-chunk, self-extend-yarn, dynamic-yarn-dca,
+                                self-extend-dca, any +logn) that rebuilds only the frequencies
+                                (it warns): load it with hf_rope_ext.hub.load_patched
     train_log.jsonl             one line per step: loss, learning rate, tokens/s
     training_summary.json       what was trained, on what, and how it went
 
@@ -26,6 +30,7 @@ for large extensions.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import time
@@ -48,6 +53,8 @@ from .outputs import (
     append_log,
     check_output_dir,
     check_resume_state,
+    model_identity,
+    read_log,
     remove_stale_staging,
     run_fingerprint,
     save_outputs,
@@ -101,7 +108,13 @@ def train_step(accelerator, model, windows: PackedWindows, step_indices: list[in
     """
     world, rank = accelerator.num_processes, accelerator.process_index
     accumulation = len(step_indices) // (world * micro)
-    label_tokens = torch.tensor(count_label_tokens(windows, step_indices), device=accelerator.device)
+    label_tokens = count_label_tokens(windows, step_indices)
+    if label_tokens == 0:  # the loss would be 0 / 0 = nan, and "lower --learning-rate" the wrong advice
+        raise ValueError(
+            f"A step of {len(step_indices)} example(s) has no label token to train on (PoSE masks the label after "
+            "the first chunk): use a longer --window (at least 3 tokens with --pose)."
+        )
+    label_tokens = torch.tensor(label_tokens, device=accelerator.device)
     loss_share = torch.zeros((), device=accelerator.device)
     for micro_step in range(accumulation):
         offset = (micro_step * world + rank) * micro
@@ -139,6 +152,7 @@ class TrainingRun:
     scheduler: Any = None
     progress: Progress = field(default_factory=Progress)
     resumed_from_step: int | None = None
+    log_lines: list[str] | None = None  # the train log to keep (main process), read before the model loads
 
     @property
     def output_dir(self) -> Path:
@@ -155,7 +169,7 @@ class TrainingRun:
 
 def prepare_run(config: FinetuneConfig) -> TrainingRun:
     """Every check, the data and the lengths: bad input is refused here, before the model is loaded."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ..loading import resolve_model_path
 
@@ -165,7 +179,8 @@ def prepare_run(config: FinetuneConfig) -> TrainingRun:
     accelerator, bf16, sharded = make_accelerator(config)
     resume_from = check_output_dir(config)
     model_path = resolve_model_path(config.model)
-    lengths = resolve_lengths(config, AutoConfig.from_pretrained(model_path))
+    model_config = read_base_config(config.model, model_path)
+    lengths = resolve_lengths(config, model_config)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     documents, names = load_documents(config, tokenizer)
     windows = PackedWindows(
@@ -181,8 +196,45 @@ def prepare_run(config: FinetuneConfig) -> TrainingRun:
     global_batch = config.per_device_batch_size * accelerator.num_processes * config.gradient_accumulation_steps
     if global_batch > len(windows):
         logger.warning("One step uses %d examples but there are only %d windows: examples repeat within a step.", global_batch, len(windows))
+    fingerprint = run_fingerprint(config, lengths, global_batch, model_identity(model_path, model_config))
+    resume_step = 0
+    if resume_from is not None:
+        state = ckpt.read_trainer_state(resume_from)
+        # The default LoRA targets are known once the model is built: compared in restore_checkpoint.
+        unknown = ("lora_target_modules",) if fingerprint["lora_target_modules"] is None else ()
+        check_resume_state(state, fingerprint, windows.fingerprint(), ignore=unknown)
+        resume_step = state["step"]
+    log_lines = read_log(Path(config.output_dir) / LOG_FILE, resume_step) if accelerator.is_main_process else None
     return TrainingRun(config, accelerator, bf16, sharded, model_path, lengths, tokenizer, windows, global_batch,
-                       run_fingerprint(config, lengths, global_batch), resume_from, started)
+                       fingerprint, resume_from, started, log_lines=log_lines)
+
+
+def read_base_config(name: str, model_path: str):
+    """The model's config; refuses a LoRA adapter folder or an already extended model (a run's
+    merged/), whose max_position_embeddings would be taken as the original context."""
+    from transformers import AutoConfig
+
+    from ..config_io import read_record
+
+    adapter_config = Path(model_path) / "adapter_config.json"
+    if adapter_config.is_file():
+        try:
+            base = json.loads(adapter_config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+        except (ValueError, AttributeError):
+            base = None
+        raise ValueError(
+            f"--model {name} is a LoRA adapter folder, not a model: pass its base model "
+            f"({base or 'not named in its adapter_config.json'}) with --model."
+        )
+    model_config = AutoConfig.from_pretrained(model_path)
+    rope = getattr(model_config, "rope_parameters", None)
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if read_record(model_config) is not None or rope_type != "default":
+        raise ValueError(
+            f"--model {name} is already context-extended (rope_type {rope_type!r}): pass the original base model "
+            "with --model (a fine-tuning run's training_summary.json names it as base_model)."
+        )
+    return model_config
 
 
 def build_training_state(run: TrainingRun) -> None:
@@ -191,6 +243,7 @@ def build_training_state(run: TrainingRun) -> None:
 
     config = run.config
     run.model, run.lora, run.rope_record = build_model(config, run.model_path, run.lengths, run.accelerator.device, run.bf16)
+    run.fingerprint["lora_target_modules"] = sorted(set(run.lora.resolved_targets))
     run.trainable = [(name, param) for name, param in run.model.named_parameters() if param.requires_grad]
     run.optimizer = torch.optim.AdamW([param for _, param in run.trainable], lr=config.learning_rate, weight_decay=config.weight_decay)
     run.scheduler = get_scheduler(SCHEDULERS[config.lr_scheduler], run.optimizer, num_warmup_steps=config.warmup_steps,
@@ -201,10 +254,11 @@ def build_training_state(run: TrainingRun) -> None:
 
 def restore_checkpoint(run: TrainingRun) -> None:
     world = run.accelerator.num_processes
+    # Again, now that the LoRA targets are resolved, and before any tensor is loaded.
+    check_resume_state(ckpt.read_trainer_state(run.resume_from), run.fingerprint, run.windows.fingerprint())
     # Also restores this process's RNG states; nothing below draws from them before training.
     trained, state = ckpt.load_checkpoint(run.resume_from, optimizer=run.optimizer, param_names=run.param_names,
                                           rank=run.accelerator.process_index)
-    check_resume_state(state, run.fingerprint, run.windows.fingerprint())
     with torch.no_grad():
         for name, param in run.trainable:
             param.copy_(trained[name].to(param.dtype))
@@ -322,7 +376,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     unwrapped = run.accelerator.unwrap_model(model)
     if run.main:
         run.output_dir.mkdir(parents=True, exist_ok=True)
-        truncate_log(run.output_dir / LOG_FILE, run.progress.step)
+        truncate_log(run.output_dir / LOG_FILE, run.progress.step, run.log_lines)
         for folder in (run.output_dir, run.output_dir / "checkpoints"):  # left by a run killed while saving
             remove_stale_staging(folder)
     train(run, model, unwrapped)
