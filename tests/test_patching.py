@@ -571,6 +571,8 @@ def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own(method):
     patch: it computes as a model patched afresh, and outlives unpatching the original."""
     import copy
 
+    from test_attention import _generation_matches_full_forward
+
     model = make_model("llama", attn_implementation="sdpa")
     patch_model(model, scale=4, method=method)
     copied = copy.deepcopy(model)
@@ -584,6 +586,7 @@ def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own(method):
         torch.testing.assert_close(copied(ids).logits, fresh(ids).logits, rtol=0, atol=0)
         short = ids[:, : ORIGINAL_CONTEXT - 4]  # and a shorter input after the long one (the copy's own state)
         torch.testing.assert_close(copied(short).logits, fresh(short).logits, rtol=0, atol=0)
+    _generation_matches_full_forward(copied, short)  # generating across L0 on the copy's own cache hooks
     unpatch_model(copied)
     with torch.no_grad():
         assert torch.equal(copied(ids).logits, reference(ids).logits)
