@@ -295,7 +295,10 @@ def _padding_of_new_tokens(mask: Any, past: int, new_tokens: int, device: torch.
         return mask[:, -new_tokens:].long()
     if mask.dim() == 4:
         rows = torch.arange(new_tokens, device=mask.device)
-        diagonal = mask[:, 0, rows, past + rows]
+        # A sliding-window cache keeps only its last W slots: once it is full, the new tokens are
+        # its last columns, not columns past .. past + new_tokens.
+        start = min(past, mask.shape[-1] - new_tokens)
+        diagonal = mask[:, 0, rows, start + rows]
         visible = diagonal if diagonal.dtype == torch.bool else diagonal == 0
         return visible.long()
     raise ValueError(f"Unsupported attention_mask of shape {tuple(mask.shape)}; pass a 2-D (batch, seq) mask.")

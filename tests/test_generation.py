@@ -277,6 +277,18 @@ def test_sliding_window_cache(method, planned):
     assert generation_vs_full_forward(model, random_ids(L0 - 10), new_tokens=2 * L0, planned=planned) < TOLERANCE
 
 
+@pytest.mark.parametrize("method", ["dynamic-yarn", "self-extend-yarn", "self-extend-dca"])
+def test_static_cache_of_a_sliding_window_model(method):
+    """generate's 4-D masks for a sliding-window static cache are as wide as the window: once it is
+    full, the new token is the last column (this failed with an IndexError, inside L0 too)."""
+    model = make_model("mistral", attn_implementation="sdpa", sliding_window=24)
+    patch_model(model, scale=4, method=method)
+    for new_tokens in (8, 2 * L0):  # inside the native context, and across it
+        worst = generation_vs_full_forward(model, random_ids(L0 - 12), new_tokens=new_tokens,
+                                           cache_implementation="static")  # fmt: skip
+        assert worst < TOLERANCE
+
+
 @pytest.mark.parametrize("planned", [True, False])
 def test_static_cache(planned):
     model = make_model("llama")
