@@ -34,12 +34,15 @@ from hf_rope_ext.arguments import (
     add_output_dir_argument,
     add_text_files_argument,
     argument_parser,
+    model_label,
 )
 from hf_rope_ext.auto import check_configurations, parse_configuration
 from hf_rope_ext.cli import one_line
 from hf_rope_ext.data import read_text, tokenize
 from hf_rope_ext.evaluation.perplexity import bucket_perplexity
-from hf_rope_ext.evaluation.records import read_records
+from hf_rope_ext.evaluation.documents import document_hash
+from hf_rope_ext.evaluation.records import check_output_dir, check_same_model, read_records
+from hf_rope_ext.evaluation.runner import model_fingerprint
 from hf_rope_ext.files import atomic_write_text
 from hf_rope_ext.loading import load_model
 
@@ -49,6 +52,13 @@ logger = logging.getLogger("compare_configurations")
 def main() -> None:
     # Dash spellings; the underscore ones (--text_file, --output_dir) still parse.
     parser = argument_parser(__doc__.split("\n")[0])
+    try:
+        run(parser)
+    except (ValueError, OSError, TypeError) as error:  # bad input (a missing model, a broken file): one line
+        parser.error(one_line(error))
+
+
+def run(parser) -> None:
     add_model_argument(parser)
     add_text_files_argument(parser, required=True, help="one long document")
     add_option(parser, "--length", type=int, required=True, help="tokens per forward")
@@ -66,10 +76,15 @@ def main() -> None:
     if not specs:
         parser.error(f"--configs names no configuration, got {args.configs!r}; give method[:key=value,...] or 'none'")
     try:
-        for spec in specs:  # the syntax is checked before the model loads, the rest once it has
-            parse_configuration(spec)
+        # the syntax is checked before the model loads, the rest once it has
+        parsed = [parse_configuration(spec) for spec in specs]
     except ValueError as error:
         parser.error(one_line(error))
+    same = [spec for index, spec in enumerate(specs) if parsed[index] in parsed[:index]]
+    if same:  # the same forward twice, and two rows of one configuration
+        parser.error(f"--configs lists {same[0]!r} twice (as the same method and parameters); list it once")
+    if not args.text_file.is_file():
+        parser.error(f"text file not found: {args.text_file}; pass an existing file with --text-files")
     if args.length < 2:
         parser.error(f"--length must be at least 2 tokens, got {args.length}")
     edges = None
@@ -83,11 +98,15 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     output = Path(args.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
+    check_output_dir(output)
     results_path = output / "results.jsonl"
-    done = {record["key"]: record for record in read_records(results_path)}
+    stored = read_records(results_path)
+    done = {record.get("key"): record for record in stored}
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
+    name, fingerprint = model_label(args.model), model_fingerprint(model)
+    # a case's key names neither the model nor the text's content: refuse results of others
+    check_same_model(stored, results_path, name, args.dtype, fingerprint)
     device = model.get_input_embeddings().weight.device
     native = int(model.config.max_position_embeddings)
     try:  # every configuration on this model before the first forward, not after the ones before it
@@ -97,6 +116,13 @@ def main() -> None:
     ids = tokenize(tokenizer, read_text(args.text_file))
     if len(ids) < args.length:
         parser.error(f"{args.text_file} has {len(ids)} tokens, fewer than --length {args.length}")
+    text_hash = document_hash(ids)
+    for record in stored:
+        if record.get("text") == args.text_file.name and record.get("document_sha256") != text_hash:
+            parser.error(f"{results_path} holds results for a text named {args.text_file.name!r} with other content "
+                         f"(token hash {record.get('document_sha256')} against {text_hash} now); rename the file, or "
+                         "use another --output-dir")  # fmt: skip
+    output.mkdir(parents=True, exist_ok=True)
     if edges is None:  # halves of the native context, then the rest; only the edges inside the input
         edges = [edge for edge in (0, native // 2, native) if edge < args.length] + [args.length]
 
@@ -128,13 +154,15 @@ def main() -> None:
                   "ppl": ppl, "seconds": seconds,
                   # the process's peak resident memory so far (Linux: KiB), an upper bound for this forward
                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                  "dtype": args.dtype, "device": str(device)}
+                  "dtype": args.dtype, "device": str(device), "model": name, "model_fingerprint": fingerprint,
+                  "text": Path(args.text_file).name, "document_sha256": text_hash}
         if device.type == "cuda":  # this forward's own peak (the counter was reset before it)
             record["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         # An interrupted run can leave a last line without its newline: start on a fresh line.
         fresh_line = not results_path.exists() or results_path.read_bytes()[-1:] in (b"", b"\n")
         with results_path.open("a") as handle:
             handle.write(("" if fresh_line else "\n") + json.dumps(record) + "\n")
+        done[key] = record
         logger.info("%s: %s (%.0f s)", spec, ", ".join(f"{p:.2f}" for p in ppl), seconds)
 
     rows = read_records(results_path)

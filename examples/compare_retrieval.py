@@ -34,17 +34,20 @@ from hf_rope_ext.arguments import (
     add_option,
     add_output_dir_argument,
     argument_parser,
+    model_label,
 )
 from hf_rope_ext.auto import check_configurations, parse_configuration
 from hf_rope_ext.cli import one_line
-from hf_rope_ext.evaluation.records import load_records, read_records
+from hf_rope_ext.evaluation.records import check_output_dir, check_same_model, load_records, read_records
 from hf_rope_ext.evaluation.retrieval import TASKS, grade, greedy_generate, make_trial, trial_seed
+from hf_rope_ext.evaluation.runner import model_fingerprint
 from hf_rope_ext.files import atomic_write_text
 from hf_rope_ext.loading import load_model
 
 logger = logging.getLogger("compare_retrieval")
 
 MAX_NEW_TOKENS = 8  # as hf-rope-ext eval: the prompt has length - 8 tokens
+MIN_PROMPT_TOKENS = 128  # as hf-rope-ext eval (EvalPlan.validate)
 
 
 def _floats(text: str, name: str, parser) -> list[float]:
@@ -103,6 +106,13 @@ def answer_logprob(model, prompt_ids: list[int], answer_ids: list[int]) -> float
 
 def main() -> None:
     parser = argument_parser(__doc__.split("\n")[0])
+    try:
+        run(parser)
+    except (ValueError, OSError, TypeError) as error:  # bad input (a missing model, a broken file): one line
+        parser.error(one_line(error))
+
+
+def run(parser) -> None:
     add_model_argument(parser)
     add_option(parser, "--length", type=int, required=True, help="tokens per prompt, answer included")
     add_option(parser, "--scale", type=float, required=True)
@@ -120,15 +130,24 @@ def main() -> None:
     if not specs:
         parser.error(f"--configs names no configuration, got {args.configs!r}; give method[:key=value,...] or 'none'")
     try:
-        for spec in specs:  # the syntax is checked before the model loads, the rest once it has
-            parse_configuration(spec)
+        # the syntax is checked before the model loads, the rest once it has
+        parsed = [parse_configuration(spec) for spec in specs]
     except ValueError as error:
         parser.error(one_line(error))
+    same = [spec for index, spec in enumerate(specs) if parsed[index] in parsed[:index]]
+    if same:  # the same prompts twice, and two rows of one configuration
+        parser.error(f"--configs lists {same[0]!r} twice (as the same method and parameters); list it once")
+    if args.length - MAX_NEW_TOKENS < MIN_PROMPT_TOKENS:
+        parser.error(f"--length must be at least {MIN_PROMPT_TOKENS + MAX_NEW_TOKENS} ({MIN_PROMPT_TOKENS} prompt "
+                     f"tokens plus {MAX_NEW_TOKENS} answer tokens), got {args.length}")  # fmt: skip
     tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
     unknown = [task for task in tasks if task not in TASKS]
     if unknown or not tasks:
         parser.error(f"--tasks takes {', '.join(TASKS)}, got {args.tasks!r}")
     depths = _floats(args.depths, "--depths", parser)
+    for name, values in (("--tasks", tasks), ("--depths", depths)):
+        if len(set(values)) != len(values):  # a case twice would count its prompts twice
+            parser.error(f"{name} lists a value twice, got {','.join(map(str, values))}; list each once")
     if any(not 0.0 <= depth <= 1.0 for depth in depths):
         parser.error(f"--depths must lie in [0, 1], got {args.depths!r}")
     if args.trials < 1:
@@ -136,17 +155,26 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     output = Path(args.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
+    check_output_dir(output)
     results_path = output / "results.jsonl"
     trials_path = output / "trials.jsonl"
-    done = {record["key"] for record in records_without_cut_line(results_path)}
+    if trials_path.exists() and not trials_path.is_file():
+        parser.error(f"{trials_path} is not a file; remove it or use another --output-dir")
+    stored, stored_trials = records_without_cut_line(results_path), records_without_cut_line(trials_path)
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
+    name, fingerprint = model_label(args.model), model_fingerprint(model)
+    # keys do not name the model: results and trials of another one would be taken as done
+    check_same_model(stored, results_path, name, args.dtype, fingerprint)
+    check_same_model(stored_trials, trials_path, name, args.dtype, fingerprint)
+    output.mkdir(parents=True, exist_ok=True)
+    done = {record.get("key") for record in stored}
     # a trial is found by its prompt's key (no trial count in it), so a run with more --trials reuses
     # the trials of a shorter one: the prompts are drawn in the same order
     finished_trials = {}
-    for record in records_without_cut_line(trials_path):
+    for record in stored_trials:
         finished_trials[(record.get("prompt_key", record.get("key")), record.get("trial"))] = record
-
-    model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
+    identity = {"model": name, "model_fingerprint": fingerprint}
     native = int(model.config.max_position_embeddings)
     try:  # every configuration on this model before the first prompt, not after the ones before it
         configurations = check_configurations(model, specs, args.scale, original_max_length=native)
@@ -193,7 +221,8 @@ def main() -> None:
                             answer_ids = tokenizer(" " + prompt.answer, add_special_tokens=False)["input_ids"]
                             trial["answer_logprob"] = answer_logprob(model, prompt.input_ids, answer_ids)
                         trial["seconds"] = time.perf_counter() - trial_start
-                        append_record(trials_path, {"key": key, "prompt_key": prompt_key, "trial": number, **trial})
+                        append_record(trials_path, {"key": key, "prompt_key": prompt_key, "trial": number, **trial,
+                                                    "dtype": args.dtype, **identity})  # fmt: skip
                         trials.append(trial)
                         # one prompt takes minutes to an hour on a CPU: say where the case stands
                         logger.info("%s %s depth %g: trial %d/%d %r (%.0f s so far)", spec, task, depth, number,
@@ -204,8 +233,9 @@ def main() -> None:
                         unpatch_model(model)
                 record = {"key": key, "config": spec, "scale": args.scale, "length": args.length, "task": task,
                           "depth": depth, "correct": sum(t["correct"] for t in trials), "trials": trials,
-                          "seconds": seconds, "dtype": args.dtype}
+                          "seconds": seconds, "dtype": args.dtype, **identity}
                 append_record(results_path, record)
+                done.add(key)
                 logger.info("%s %s depth %g: %d/%d %s (%.0f s)", spec, task, depth, record["correct"], len(trials),
                             [t["output"] for t in trials], seconds)
 

@@ -38,10 +38,12 @@ import json
 import logging
 
 from hf_rope_ext import DEFAULT_METHOD
+from hf_rope_ext.cli import one_line
 from hf_rope_ext.evaluation import EvalPlan, run_evaluation
+from hf_rope_ext.evaluation.cli import _native_context, float_list, int_list, name_list
 from hf_rope_ext.evaluation.report import comparison_table, state_label
 from hf_rope_ext.evaluation.documents import documents_from_files
-from hf_rope_ext.evaluation.records import parse_steps_per_doubling, recorded_steps
+from hf_rope_ext.evaluation.records import check_output_dir, parse_steps_per_doubling, recorded_steps
 from hf_rope_ext.arguments import (
     add_attn_implementation_argument,
     add_device_arguments,
@@ -57,20 +59,18 @@ from hf_rope_ext.loading import load_model
 from hf_rope_ext.patching import DEFAULT_STEPS_PER_DOUBLING
 
 
-def _ints(text: str) -> list[int]:
-    return [int(item) for item in text.split(",") if item.strip()]
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argument_parser(__doc__.split("\n\n")[0])
     add_text_files_argument(parser, required=True, help="one long document (over 32k tokens)")
     add_output_dir_argument(parser, help="the reports of hf-rope-ext eval go here")
     add_model_argument(parser)
-    add_option(parser, "--methods", default=f"none,linear,ntk,dynamic,yarn,dynamic-yarn,{DEFAULT_METHOD}")
-    add_option(parser, "--scales", default="2,4")
-    add_option(parser, "--ppl-lengths", type=_ints, default=[4096, 8192, 16384, 32768])
-    add_option(parser, "--retrieval-lengths", type=_ints, default=[8192, 16384, 32768])
-    add_option(parser, "--depths", default="0.1,0.5,0.9")
+    # the list parsers of hf-rope-ext eval: the same spellings (4k) and one-line errors
+    add_option(parser, "--methods", type=name_list,
+               default=name_list(f"none,linear,ntk,dynamic,yarn,dynamic-yarn,{DEFAULT_METHOD}"))
+    add_option(parser, "--scales", type=float_list, default=[2.0, 4.0])
+    add_option(parser, "--ppl-lengths", type=int_list, default=[4096, 8192, 16384, 32768])
+    add_option(parser, "--retrieval-lengths", type=int_list, default=[8192, 16384, 32768])
+    add_option(parser, "--depths", type=float_list, default=[0.1, 0.5, 0.9])
     add_option(parser, "--trials", type=int, default=1, help="passkeys per length and depth")
     add_option(parser, "--seed", type=int, default=0)
     add_option(parser, "--steps-per-doubling", type=parse_steps_per_doubling, default=DEFAULT_STEPS_PER_DOUBLING,
@@ -78,6 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_device_arguments(parser)
     add_dtype_argument(parser)
     add_attn_implementation_argument(parser, choices=("sdpa", "eager", "flash_attention_2"))
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
     if len(args.text_files) != 1:
         parser.error(f"give one document with --text-files, got {len(args.text_files)}")
@@ -120,32 +125,49 @@ def goal_checks(summary: dict, native: int) -> list[str]:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = parse_args()
+    parser = build_parser()
+    args = parse_args(parser=parser)
+    try:
+        run(args)
+    except (ValueError, OSError, TypeError) as error:  # bad input (lengths, a short text, no model): one line
+        parser.error(one_line(error))
+
+
+def run(args: argparse.Namespace) -> None:
     plan = EvalPlan(
-        methods=[m for m in args.methods.split(",") if m],
-        scales=[float(s) for s in args.scales.split(",") if s],
+        methods=args.methods,
+        scales=args.scales,
         ppl_lengths=args.ppl_lengths,
         ppl_modes=["buckets"],
         retrieval_tasks=["passkey"] if args.retrieval_lengths else [],
         retrieval_lengths=args.retrieval_lengths,
-        depths=[float(d) for d in args.depths.split(",") if d],
+        depths=args.depths,
         trials=args.trials,
         seed=args.seed,
         steps_per_doubling=args.steps_per_doubling,
     )
-    plan.validate(None)  # fail on bad input before loading the model
+    plan.validate(None)
+    if not args.text_file.is_file():
+        raise FileNotFoundError(f"Text file not found: {args.text_file}. Pass an existing file with --text-files.")
+    check_output_dir(args.output_dir)
+    native = _native_context(args.model)
+    plan.validate(native)  # every check that needs the model's context, before it loads
+    plan.check_reach(native)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
                                   attn_implementation=args.attn_implementation)  # fmt: skip
-    native = int(model.config.max_position_embeddings)
     documents = documents_from_files(tokenizer, [args.text_file])
     name = model_label(args.model)
-    run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=name, dtype=args.dtype)
+    run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=name, dtype=args.dtype,
+                   native_context=native)  # fmt: skip
     summary = json.loads((args.output_dir / "summary.json").read_text(encoding="utf-8"))
-    # The folder may also hold results of other frequency steps: keep this run's.
+    # The folder may also hold results of other models, dtypes and frequency steps: keep this run's.
     for kind in ("perplexity", "retrieval"):
         summary[kind] = [row for row in summary[kind]
-                         if row.get("steps_per_doubling") == recorded_steps(row["method"], args.steps_per_doubling)]
-    retrieval = f", passkey retrieved / tried (depths {args.depths})" if args.retrieval_lengths else ""
+                         if row.get("model") == name and row.get("dtype") == args.dtype
+                         and row.get("steps_per_doubling") == recorded_steps(row["method"], args.steps_per_doubling)]
+    summary["native_context"] = native  # of this model, also in a folder shared with others
+    depths = ",".join(f"{depth:g}" for depth in args.depths)
+    retrieval = f", passkey retrieved / tried (depths {depths})" if args.retrieval_lengths else ""
     print(f"\n{name}, {args.dtype}, document {args.text_file.name}: perplexity of the first L tokens "
           f"(one forward){retrieval}.\n")  # fmt: skip
     print(comparison_table(summary))

@@ -34,7 +34,7 @@ from hf_rope_ext.evaluation import (
 )
 from hf_rope_ext.evaluation import retrieval
 from hf_rope_ext.evaluation.perplexity import buckets_of_losses
-from hf_rope_ext.evaluation.summary import wilson_interval
+from hf_rope_ext.evaluation.summary import format_ppl, wilson_interval
 
 SHARED_BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "books" / "pg84.txt"
 
@@ -426,7 +426,7 @@ def test_cut_off_results_file_reads_the_same_for_the_evaluation_and_the_model_ca
 
 def test_a_bad_line_that_is_not_the_cut_off_end_is_refused(tmp_path):
     results = tmp_path / "results.jsonl"
-    record = json.dumps({"kind": "perplexity", "method": "none"})
+    record = json.dumps(_record("none", None, "a", 16, [[0, 16, 5.0]]))
     for text, line in ((f"{record}\n{{not json\n{record}\n", 2), (f"{record}\n{{not json\n", 2), ("[1, 2]\n", 1)):
         results.write_text(text)
         with pytest.raises(EvaluationError, match=f"results.jsonl:{line} "):
@@ -585,6 +585,19 @@ def test_runner_retrieval_cases_record_the_schema(tmp_path):
         ({"retrieval_tasks": ["passkey"], "retrieval_lengths": []}, "need --retrieval-lengths"),
         ({"ppl_lengths": [], "retrieval_tasks": []}, "Nothing to evaluate"),
         ({"depths": [1.5], "retrieval_tasks": ["passkey"], "retrieval_lengths": [512]}, "between 0 and 1"),
+        # a pair the patch refuses, found before the configurations ahead of it run
+        ({"methods": ["none", "yarn", "longrope"]}, "longrope at scale 2: .*needs parameter.*long_factor"),
+        ({"scales": [2.0, 1.001]}, "yarn at scale 1.001: .*less than half a token"),
+        # a value listed twice would be computed and counted twice
+        ({"ppl_lengths": [24, 64, 64]}, "64 is listed twice in ppl_lengths"),
+        ({"scales": [2.0, 2]}, "2.0 is listed twice in scales"),
+        ({"ppl_modes": ["buckets", "buckets"]}, "buckets is listed twice in ppl_modes"),
+        ({"retrieval_tasks": ["passkey", "passkey"], "retrieval_lengths": [64]}, "passkey is listed twice"),
+        ({"retrieval_tasks": ["passkey"], "retrieval_lengths": [136, 136]}, "136 is listed twice in retrieval_lengths"),
+        ({"retrieval_tasks": ["passkey"], "retrieval_lengths": [136], "depths": [0.5, 0.5]},
+         "0.5 is listed twice in depths"),
+        # an option that would be ignored
+        ({"sliding_tokens": 100}, "applies to sliding-window perplexity only"),
     ],
 )
 def test_bad_plans_get_clear_errors(overrides, message):
@@ -1062,6 +1075,9 @@ def test_compare_configurations_example_matches_the_library_per_dtype(tiny_check
         (["--configs", "yarn;yarn:foo=1"], "Unknown parameter(s) for method 'yarn': 'foo'"),
         (["--configs", " ; "], "--configs names no configuration"),
         (["--configs", "yarn", "--scale", "0"], "scale must be > 1"),
+        (["--configs", "yarn;self-extend:neighbor_window=64;yarn"], "--configs lists 'yarn' twice"),
+        (["--configs", "self-extend:neighbor_window=64,group_size=4;self-extend:group_size=4,neighbor_window=64"],
+         "lists 'self-extend:group_size=4,neighbor_window=64' twice"),
     ],
 )
 def test_compare_examples_refuse_bad_configurations_before_any_forward(
@@ -1127,3 +1143,382 @@ def test_compare_configurations_example_keeps_default_ranges_inside_a_short_inpu
     (record,) = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
     assert record["edges"] == [0, 128, 200]
     assert len(record["ppl"]) == 2 and all(math.isfinite(p) for p in record["ppl"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostile input: edited results, changed methods, bad plans, shared folders, the examples
+# ----------------------------------------------------------------------------------------------
+
+
+def _valid_records():
+    """A perplexity and a retrieval record as the runner writes them (every field the reports read)."""
+    return [_record("none", None, "a", 16, [[0, 8, 10.0], [8, 16, 12.0]]),
+            {**_retrieval_record(depth=0.5, correct=1, outputs=["1", "3"]), "native_context": 8}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "index, edit, message",
+    [
+        (0, {"tokens": None}, "field 'tokens' must be an integer >= 0, got None"),
+        (0, {"tokens": "del"}, "field 'tokens' is missing"),
+        (0, {"nll": "abc"}, "field 'nll' must be a number"),
+        (0, {"buckets": "del"}, "field 'buckets' is missing"),
+        (0, {"buckets": [[0, 8]]}, "field 'buckets' must be a list of [start, end, ppl]"),
+        (0, {"method": 3}, "field 'method' must be a non-empty string, got 3"),
+        (0, {"mode": "del"}, "field 'mode' is missing"),
+        (0, {"context_length": "16"}, "field 'context_length' must be an integer"),
+        (0, {"native_context": "8"}, "field 'native_context' must be a positive integer or null"),
+        (0, {"scale": "2"}, "field 'scale' must be a number"),
+        (0, {"reused_from": "none"}, "field 'reused_from' must be null or an object"),
+        (1, {"correct": "1"}, "field 'correct' must be an integer"),
+        (1, {"trials": 0, "correct": 0}, "field 'trials' must be an integer >= 1, got 0"),
+        (1, {"depth": "0.5"}, "field 'depth' must be a number between 0 and 1"),
+        (1, {"depth": "del"}, "field 'depth' is missing"),
+        (1, {"task": "del"}, "field 'task' is missing"),
+        (1, {"length": "del"}, "field 'length' is missing"),
+        (1, {"kind": "del"}, "field 'kind' must be one of ['perplexity', 'retrieval'], got None"),
+    ],
+)
+def test_an_edited_record_is_refused_naming_the_file_line_and_field(tmp_path, capsys, index, edit, message):
+    """One line naming file, line and field (exit 2), not a traceback from whichever report reads it first."""
+    records = _valid_records()
+    for name, value in edit.items():
+        if value == "del":
+            del records[index][name]
+        else:
+            records[index][name] = value
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert cli_main(["eval", "--report-only", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {results}:{index + 1}: {message}") and err.endswith("fix or remove that line.")
+    assert len(err.splitlines()) == 1
+
+
+def test_edited_records_keep_the_inconsistent_counts_and_accuracy_only_rendering(tmp_path):
+    """What the reports already show on purpose stays accepted: more correct than trials, and a
+    hand-written record with an accuracy and no counts (plotted from its accuracy)."""
+    counts = _retrieval_record(depth=0.1, correct=5, outputs=["1", "3"])
+    accuracy_only = {key: value for key, value in _retrieval_record(0.9, 1, ["1", "3"]).items()
+                     if key not in ("correct", "trials")}  # fmt: skip
+    (tmp_path / "results.jsonl").write_text(json.dumps(counts) + "\n" + json.dumps(accuracy_only) + "\n")
+    written = {path.name for path in write_reports(tmp_path)}
+    assert "retrieval_passkey.png" in written
+    assert "(5/2; counts inconsistent)" in (tmp_path / "results.md").read_text()
+
+
+def test_an_edited_record_stops_a_run_before_any_forward(tmp_path):
+    model = make_model("llama")
+    documents = {"doc": random_ids(80)[0]}
+    plan = _plan(methods=["none"], scales=[], ppl_lengths=[24, 64])
+    run_evaluation(model, CharTokenizer(), _plan(methods=["none"], scales=[], ppl_lengths=[24]), tmp_path,
+                   documents=documents, progress=False, write_report=False)  # fmt: skip
+    results = tmp_path / "results.jsonl"
+    record = json.loads(results.read_text())
+    del record["tokens"]
+    results.write_text(json.dumps(record) + "\n")
+    counter = CallCounter(model)
+    with pytest.raises(EvaluationError, match=r"results.jsonl:1: field 'tokens' is missing"):
+        run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False)
+    assert counter.calls == 0 and results.read_text() == json.dumps(record) + "\n"
+
+
+def test_a_results_file_that_is_not_utf8_is_named(tmp_path):
+    (tmp_path / "results.jsonl").write_bytes(b'{"kind": "perplexity"}\n\xff\xfe\x00binary\n')
+    with pytest.raises(EvaluationError, match=r"results.jsonl is not UTF-8 text"):
+        read_results(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"context_length": "64k"}, "field 'context_length' must be an integer"),
+        ({"scale": "x"}, "field 'scale' must be a number"),
+        ({"buckets": [["a", 64, 3.0]]}, "field 'buckets' must be a list of [start, end, ppl]"),
+    ],
+)
+def test_model_card_refuses_an_edited_eval_record_in_one_line(tmp_path, capsys, edit, message):
+    pytest.importorskip("huggingface_hub")
+    pytest.importorskip("jinja2")
+    from hf_rope_ext.hub import save_patched
+
+    model = make_model("llama")
+    patch_model(model, 2.0, "yarn")
+    checkpoint = save_patched(model, tmp_path / "checkpoint")
+    capsys.readouterr()
+    output = tmp_path / "eval"
+    output.mkdir()
+    record = {**_record("yarn", 2.0, "a", 16, [[0, 8, 10.0], [8, 16, 12.0]]), **edit}
+    (output / "results.jsonl").write_text(json.dumps(_valid_records()[0]) + "\n" + json.dumps(record) + "\n")
+    code = cli_main(["card", "--model-dir", str(checkpoint), "--base-model", "org/tiny-base", "--eval-dir",
+                     str(output), "--output", str(tmp_path / "README.md")])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert f"{output / 'results.jsonl'}:2: {message}" in err
+
+
+def test_changed_method_parameters_are_not_taken_for_finished_cases(tmp_path):
+    """A method registered again with other defaults (as a built-in whose defaults change between
+    versions) has other frequencies: its finished cases are refused, not reported with old numbers."""
+    import hf_rope_ext
+
+    def compute(dim, base, params, seq_len=None):
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        return inv_freq / params["divisor"], 1.0
+
+    documents = {"doc": random_ids(80)[0]}
+    model = make_model("llama")
+    plan = _plan(methods=["none", "my-interp"], scales=[2.0], ppl_lengths=[64])
+    try:
+        hf_rope_ext.register_method("my-interp", compute, defaults={"divisor": 2.0})
+        run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False)
+        before = (tmp_path / "results.jsonl").read_text()
+        hf_rope_ext.unregister_method("my-interp")
+        hf_rope_ext.register_method("my-interp", compute, defaults={"divisor": 4.0})
+        counter = CallCounter(model)
+        with pytest.raises(EvaluationError, match=r"my-interp x2 ppl/buckets doc L=64: .* other rotary frequencies "
+                                                  r".*Use another --output-dir"):  # fmt: skip
+            run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False)
+        assert counter.calls == 0 and (tmp_path / "results.jsonl").read_text() == before
+        assert get_patch_info(model) is None
+        # the same parameters again: the folder resumes
+        hf_rope_ext.unregister_method("my-interp")
+        hf_rope_ext.register_method("my-interp", compute, defaults={"divisor": 2.0})
+        run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False)
+        assert counter.calls == 0
+    finally:
+        hf_rope_ext.unregister_method("my-interp")
+
+
+def test_a_bad_method_scale_pair_fails_before_any_case_runs(tmp_path):
+    model = make_model("llama")
+    counter = CallCounter(model)
+    with pytest.raises(EvaluationError, match="longrope at scale 2: .*long_factor"):
+        run_evaluation(model, CharTokenizer(), _plan(methods=["none", "yarn", "longrope"], scales=[2.0]), tmp_path,
+                       documents={"doc": random_ids(80)[0]}, progress=False)  # fmt: skip
+    assert counter.calls == 0 and not (tmp_path / "results.jsonl").exists()
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_any_forward(tmp_path, capsys):
+    model = make_model("llama")
+    counter = CallCounter(model)
+    documents = {"doc": random_ids(80)[0]}
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(EvaluationError, match="is a file, not a folder"):
+        run_evaluation(model, CharTokenizer(), _plan(), afile, documents=documents, progress=False)
+    (tmp_path / "out" / "results.jsonl").mkdir(parents=True)
+    with pytest.raises(EvaluationError, match=r"results.jsonl is not a file"):
+        run_evaluation(model, CharTokenizer(), _plan(), tmp_path / "out", documents=documents, progress=False)
+    assert counter.calls == 0 and afile.read_text() == "x"
+    book = tmp_path / "book.txt"
+    book.write_text("word " * 100)
+    code = cli_main(["eval", "--model", str(tmp_path / "no-model"), "--text-file", str(book), "--methods", "none",
+                     "--ppl-lengths", "64", "--output-dir", str(afile)])  # fmt: skip
+    assert code == 2 and "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_options_that_would_be_ignored_are_refused(tmp_path, capsys):
+    book = tmp_path / "book.txt"
+    book.write_text("word " * 100)
+    common = ["eval", "--text-file", str(book), "--methods", "none", "--output-dir", str(tmp_path / "out")]
+    assert cli_main([*common, "--ppl-lengths", "64", "--num-documents", "3"]) == 2
+    assert "--num-documents counts texts taken from --dataset" in capsys.readouterr().err
+    assert cli_main([*common, "--retrieval-tasks", "passkey", "--retrieval-lengths", "200", "--needle-count", "3"]) == 2
+    assert "--needle-count applies to the needle task only" in capsys.readouterr().err
+    assert cli_main([*common, "--ppl-lengths", "64", "--sliding-tokens", "100"]) == 2
+    assert "applies to sliding-window perplexity only" in capsys.readouterr().err
+
+
+def test_lengths_beyond_every_extended_context_are_refused_before_the_model_loads(tiny_checkpoint, tmp_path, capsys):
+    _plan(ppl_lengths=[24, 128]).check_reach(ORIGINAL_CONTEXT)  # 4 x 32: the largest scale reaches it
+    with pytest.raises(EvaluationError, match=r"Length 129 is beyond 128 tokens, the model's native context of 32 "
+                                              r"times the largest scale 4"):  # fmt: skip
+        _plan(ppl_lengths=[24, 129]).check_reach(ORIGINAL_CONTEXT)
+    code = cli_main(["eval", "--model", str(tiny_checkpoint), "--device", "cpu", "--methods", "none,yarn", "--scales",
+                     "2", "--retrieval-tasks", "passkey", "--retrieval-lengths", "10000000", "--output-dir",
+                     str(tmp_path / "out")])  # fmt: skip
+    assert code == 2 and "Length 10000000 is beyond 512 tokens" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_progress_also_hides_the_per_trial_and_sliding_window_bars(tmp_path, capsys):
+    plan = EvalPlan(methods=["none"], ppl_lengths=[160], ppl_modes=["sliding"], stride=80, sliding_tokens=200,
+                    retrieval_tasks=["passkey"], retrieval_lengths=[400], depths=[0.5], trials=1, chunk_size=64)
+    run_evaluation(make_model("llama"), CharTokenizer(), plan, tmp_path, documents={"doc": random_ids(200)[0]},
+                   native_context=256, progress=False, write_report=False)  # fmt: skip
+    err = capsys.readouterr().err
+    assert "sliding windows" not in err and "passkey L=" not in err and len(read_results(tmp_path)) == 2
+
+
+# -- the examples -------------------------------------------------------------------------------
+
+
+def _copy_checkpoint(source: Path, target: Path, seed: int | None = None) -> Path:
+    """A copy of the tiny checkpoint; with ``seed``, other random weights under the same config."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    if seed is not None:
+        torch.manual_seed(seed)
+        config = AutoModelForCausalLM.from_pretrained(source).config
+        AutoModelForCausalLM.from_config(config).save_pretrained(target)
+    return target
+
+
+def _run_example(module, monkeypatch, argv):
+    import sys
+
+    monkeypatch.setattr(sys, "argv", argv)
+    module.main()
+
+
+def _example_error(module, monkeypatch, capsys, argv) -> str:
+    import sys
+
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as stopped:
+        module.main()
+    assert stopped.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_compare_configurations_refuses_results_of_another_model_or_text(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                       capsys):  # fmt: skip
+    module = _example_module("compare_configurations_inputs", "compare_configurations.py")
+    model_dir = _copy_checkpoint(tiny_checkpoint, tmp_path / "model")
+    text = tmp_path / "doc.txt"
+    text.write_text(" ".join(f"Line {i} of a long story about the sea and the ship." for i in range(120)))
+    output = tmp_path / "out"
+    argv = ["compare_configurations.py", "--model", str(model_dir), "--text-files", str(text), "--length", "512",
+            "--scale", "2", "--configs", "none", "--output-dir", str(output)]  # fmt: skip
+    _run_example(module, monkeypatch, argv)
+    before = (output / "results.jsonl").read_text()
+    _copy_checkpoint(tiny_checkpoint, model_dir, seed=7)  # another checkpoint under the same name
+    last = _example_error(module, monkeypatch, capsys, argv)
+    assert "config or weights differ from the model loaded now" in last and "another --output-dir" in last
+    _copy_checkpoint(tiny_checkpoint, model_dir)  # the first model again, another text under the same name
+    text.write_text(" ".join(f"Row {i}: a different text about a desert and a camel." for i in range(120)))
+    last = _example_error(module, monkeypatch, capsys, argv)
+    assert "holds results for a text named 'doc.txt' with other content" in last
+    assert (output / "results.jsonl").read_text() == before
+
+
+def test_compare_retrieval_refuses_results_and_trials_of_another_model(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    module = _example_module("compare_retrieval_inputs")
+    output = tmp_path / "out"
+    argv = ["compare_retrieval.py", "--length", "512", "--scale", "2", "--configs", "yarn", "--tasks", "passkey",
+            "--depths", "0.5", "--trials", "1", "--output-dir", str(output)]  # fmt: skip
+    _run_example(module, monkeypatch, [*argv, "--model", str(tiny_checkpoint)])
+    other = _copy_checkpoint(tiny_checkpoint, tmp_path / "other", seed=7)
+    last = _example_error(module, monkeypatch, capsys, [*argv, "--model", str(other)])
+    assert f"holds results of {str(tiny_checkpoint)!r}, not {str(other)!r}" in last
+    (output / "results.jsonl").unlink()  # the finished trials alone would be taken too
+    last = _example_error(module, monkeypatch, capsys, [*argv, "--model", str(other)])
+    assert "trials.jsonl holds results of" in last
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--length", "20"], "--length must be at least 136 (128 prompt tokens plus 8 answer tokens), got 20"),
+        (["--length", "-5"], "--length must be at least 136"),
+        (["--depths", "0.5,0.5"], "--depths lists a value twice"),
+        (["--tasks", "passkey,passkey"], "--tasks lists a value twice"),
+        (["--model", "{tmp}/missing"], "missing"),
+        (["--output-dir", "{tmp}/afile"], "is a file, not a folder"),
+    ],
+)
+def test_compare_retrieval_refuses_bad_input_in_one_line(tiny_checkpoint, tmp_path, monkeypatch, capsys, arguments,
+                                                         message):  # fmt: skip
+    module = _example_module("compare_retrieval_input")
+    (tmp_path / "afile").write_text("x")
+    argv = ["compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--configs",
+            "yarn", "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    argv += [argument.format(tmp=tmp_path) for argument in arguments]
+    last = _example_error(module, monkeypatch, capsys, argv)
+    assert last.startswith("compare_retrieval.py: error: ") and message in last
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--model", "{tmp}/missing"], "missing"),
+        (["--text-files", "{tmp}/missing.txt"], "text file not found"),
+        (["--output-dir", "{tmp}/afile"], "is a file, not a folder"),
+    ],
+)
+def test_compare_configurations_refuses_bad_input_in_one_line(tiny_checkpoint, tmp_path, monkeypatch, capsys,
+                                                              arguments, message):  # fmt: skip
+    module = _example_module("compare_configurations_input", "compare_configurations.py")
+    (tmp_path / "afile").write_text("x")
+    text = tmp_path / "doc.txt"
+    text.write_text("A short story about the sea. " * 200)
+    argv = ["compare_configurations.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2",
+            "--configs", "yarn", "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    if "--text-files" not in arguments:
+        argv += ["--text-files", str(text)]
+    argv += [argument.format(tmp=tmp_path) for argument in arguments]
+    last = _example_error(module, monkeypatch, capsys, argv)
+    assert last.startswith("compare_configurations.py: error: ") and message in last
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--scales", "2,x"], "expected comma-separated numbers"),
+        (["--depths", "0.5,a"], "expected comma-separated numbers"),
+        (["--scales", "1"], "Scales must be numbers > 1"),
+        (["--ppl-lengths", "128,200"], "within the model's own context of 256 tokens"),
+        (["--ppl-lengths", "1k"], "Length 1024 is beyond 512 tokens"),
+        (["--ppl-lengths", "400", "--text-files", "{tmp}/short.txt"], "shorter than the 400 tokens requested"),
+        (["--model", "{tmp}/missing"], "missing"),
+        (["--output-dir", "{tmp}/afile"], "is a file, not a folder"),
+        (["--methods", "none,yarn", "--scales", "2,2"], "is listed twice in scales"),
+    ],
+)
+def test_run_results_table_refuses_bad_input_in_one_line(tiny_checkpoint, tmp_path, monkeypatch, capsys, arguments,
+                                                         message):  # fmt: skip
+    module = _example_module("run_results_table_input", "run_results_table.py")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "short.txt").write_text("A short story. " * 10)
+    book = tmp_path / "book.txt"
+    book.write_text("A short story about the sea. " * 200)
+    argv = ["run_results_table.py", "--model", str(tiny_checkpoint), "--text-files", str(book), "--methods",
+            "none,yarn", "--scales", "2", "--ppl-lengths", "512", "--retrieval-lengths", "", "--device", "cpu",
+            "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    argv += [argument.format(tmp=tmp_path) for argument in arguments]
+    if "--text-files" in arguments:
+        argv.remove(str(book))
+        argv.remove("--text-files")
+    last = _example_error(module, monkeypatch, capsys, argv)
+    assert last.startswith("run_results_table.py: error: ") and message in last
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+
+
+def test_run_results_table_reads_the_eval_list_spellings():
+    module = _example_module("run_results_table_spellings", "run_results_table.py")
+    args = module.parse_args(["--text-files", "book.txt", "--output-dir", "out", "--ppl-lengths", "4k,8k", "--scales", "2,4"])
+    assert args.ppl_lengths == [4096, 8192] and args.scales == [2.0, 4.0]
+
+
+def test_run_results_table_shows_only_this_models_results(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """Two models in one --output-dir: each table and goal check shows that model's rows only."""
+    module = _example_module("run_results_table_models", "run_results_table.py")
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"Line {i} of a long story about the sea and the ship." for i in range(120)))
+    other = _copy_checkpoint(tiny_checkpoint, tmp_path / "other", seed=7)
+    argv = ["run_results_table.py", "--text-files", str(book), "--scales", "2", "--ppl-lengths", "128,512",
+            "--retrieval-lengths", "", "--device", "cpu", "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    _run_example(module, monkeypatch, [*argv, "--model", str(tiny_checkpoint), "--methods", "none,yarn"])
+    capsys.readouterr()
+    _run_example(module, monkeypatch, [*argv, "--model", str(other), "--methods", "none,linear"])
+    printed = capsys.readouterr().out
+    mine = {r["context_length"]: r["ppl"] for r in read_results(tmp_path / "out")
+            if r["model"] == str(other) and r["method"] == "none"}  # fmt: skip
+    assert "| linear | 2 |" in printed and "| yarn |" not in printed
+    assert f"| none |  | {format_ppl(mine[128])} | {format_ppl(mine[512])} |" in printed

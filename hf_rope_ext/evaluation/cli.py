@@ -32,14 +32,15 @@ from ..arguments import (
 from ..cli import one_line
 from ..patching import DEFAULT_METHOD, DEFAULT_STEPS_PER_DOUBLING
 from .plan import EvalPlan
-from .records import EvaluationError, parse_steps_per_doubling
+from .records import EvaluationError, check_output_dir, parse_steps_per_doubling, read_results
 
 logger = logging.getLogger(__name__)
 
 ALL_METHODS = "none,linear,ntk,dynamic,yarn,dynamic-yarn"
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """Comma-separated token counts, ``4096,8192`` or ``4k,8k`` (argparse ``type``; shared with the examples)."""
     values = []
     for item in text.split(","):
         item = item.strip().lower()
@@ -55,7 +56,8 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _float_list(text: str) -> list[float]:
+def float_list(text: str) -> list[float]:
+    """Comma-separated numbers (argparse ``type``; shared with the examples)."""
     try:
         return [float(item) for item in text.split(",") if item.strip()]
     except ValueError:
@@ -69,7 +71,8 @@ def _steps(text: str) -> int | None:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _name_list(text: str) -> list[str]:
+def name_list(text: str) -> list[str]:
+    """Comma-separated names (argparse ``type``; shared with the examples)."""
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
@@ -81,7 +84,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser, output_dir: Path | Non
     add_dtype_argument(group)
     add_attn_implementation_argument(group, choices=("sdpa", "eager", "flash_attention_2"))
     add_data_arguments(group, text_files_dest="text_file")  # args.text_file: the name the commands below read
-    add_option(group, "--num-documents", type=int, default=1, help="texts taken from --dataset")
+    add_option(group, "--num-documents", type=int, default=None, help="texts taken from --dataset (default 1)")
     add_output_dir_argument(group, default=output_dir, help="results.jsonl and the reports go here")
     add_option(group, "--no-progress", action="store_true", help="hide progress bars")
 
@@ -97,24 +100,24 @@ def add_parser(subparsers) -> None:
     )
     _add_model_arguments(parser)
     group = parser.add_argument_group("what to evaluate")
-    group.add_argument("--methods", type=_name_list, default=_name_list(ALL_METHODS),
+    group.add_argument("--methods", type=name_list, default=name_list(ALL_METHODS),
                        help=f"comma-separated; 'none' is the unpatched model (default {ALL_METHODS})")
-    group.add_argument("--scales", type=_float_list, default=[2.0, 4.0], help="comma-separated scales (default 2,4)")
-    group.add_argument("--ppl-lengths", type=_int_list, default=[],
+    group.add_argument("--scales", type=float_list, default=[2.0, 4.0], help="comma-separated scales (default 2,4)")
+    group.add_argument("--ppl-lengths", type=int_list, default=[],
                        help="context lengths for perplexity, e.g. 4096,8192,16384 or 4k,8k,16k")
-    group.add_argument("--ppl-modes", type=_name_list, default=["buckets"],
+    group.add_argument("--ppl-modes", type=name_list, default=["buckets"],
                        help="buckets (one forward of L tokens, loss by position) and/or sliding")
     group.add_argument("--bucket-size", type=int, default=None,
                        help="position bucket width (default: native context / 4)")
     group.add_argument("--stride", type=int, default=256, help="sliding-window stride S (default 256)")
     group.add_argument("--sliding-tokens", type=int, default=None,
                        help="document tokens scored by sliding windows (default: the longest --ppl-lengths)")
-    group.add_argument("--retrieval-tasks", type=_name_list, default=[], help="passkey and/or needle")
-    group.add_argument("--retrieval-lengths", type=_int_list, default=[], help="total tokens, prompt plus answer")
-    group.add_argument("--depths", type=_float_list, default=[0.1, 0.5, 0.9],
+    group.add_argument("--retrieval-tasks", type=name_list, default=[], help="passkey and/or needle")
+    group.add_argument("--retrieval-lengths", type=int_list, default=[], help="total tokens, prompt plus answer")
+    group.add_argument("--depths", type=float_list, default=[0.1, 0.5, 0.9],
                        help="key depths, fractions (default 0.1,0.5,0.9)")
     group.add_argument("--trials", type=int, default=3, help="prompts per length and depth (default 3)")
-    group.add_argument("--needle-count", type=int, default=4, help="keys per needle prompt (default 4)")
+    group.add_argument("--needle-count", type=int, default=None, help="keys per needle prompt (default 4)")
     group.add_argument("--max-new-tokens", type=int, default=8)
     group.add_argument("--seed", type=int, default=0, help="seed of the random keys")
     group.add_argument("--chunk-size", type=int, default=1024, help="positions per LM-head call in the loss")
@@ -159,8 +162,12 @@ def _check_environment(args: argparse.Namespace) -> None:
     for path in args.text_file:
         if not path.is_file():
             raise EvaluationError(f"Text file not found: {path}. Pass an existing file with --text-files.")
-    if args.num_documents < 1:
-        raise EvaluationError(f"--num-documents must be at least 1, got {args.num_documents}.")
+    if args.num_documents is not None:
+        if not args.dataset:
+            raise EvaluationError("--num-documents counts texts taken from --dataset; give --dataset, or leave it out.")
+        if args.num_documents < 1:
+            raise EvaluationError(f"--num-documents must be at least 1, got {args.num_documents}.")
+    check_output_dir(args.output_dir)  # a file there would fail only at the first append, after a case ran
 
 
 _model_label = model_label  # the shared alias map (hf_rope_ext.arguments)
@@ -195,7 +202,7 @@ def _documents(args: argparse.Namespace, tokenizer, min_tokens: int) -> dict[str
     if args.dataset:
         documents.update(documents_from_dataset(tokenizer, args.dataset, split=args.dataset_split,
                                                 text_field=args.text_field, config=args.dataset_config,
-                                                count=args.num_documents, min_tokens=min_tokens))  # fmt: skip
+                                                count=args.num_documents or 1, min_tokens=min_tokens))  # fmt: skip
     return documents
 
 
@@ -233,11 +240,15 @@ def _run_eval(args: argparse.Namespace) -> int:
         print((args.output_dir / "results.md").read_text(encoding="utf-8"))
         return 0
     _check_environment(args)
+    if args.needle_count is not None and "needle" not in args.retrieval_tasks:
+        raise EvaluationError("--needle-count applies to the needle task only; add needle to --retrieval-tasks, or "
+                              "leave it out.")  # fmt: skip
     plan = EvalPlan(
         methods=args.methods, scales=args.scales, ppl_lengths=args.ppl_lengths, ppl_modes=args.ppl_modes,
         bucket_size=args.bucket_size, stride=args.stride, sliding_tokens=args.sliding_tokens,
         retrieval_tasks=args.retrieval_tasks, retrieval_lengths=args.retrieval_lengths, depths=args.depths,
-        trials=args.trials, needle_count=args.needle_count, max_new_tokens=args.max_new_tokens, seed=args.seed,
+        trials=args.trials, needle_count=4 if args.needle_count is None else args.needle_count,
+        max_new_tokens=args.max_new_tokens, seed=args.seed,
         chunk_size=args.chunk_size, reuse_identical=not args.no_reuse, steps_per_doubling=args.steps_per_doubling,
     )  # fmt: skip
     plan.validate(None)
@@ -245,6 +256,8 @@ def _run_eval(args: argparse.Namespace) -> int:
         raise EvaluationError("Perplexity needs documents: pass --text-files FILE (or --dataset NAME).")
     native_context = _native_context(args.model)
     plan.validate(native_context)  # before the model is loaded: bad input fails fast
+    plan.check_reach(native_context)
+    read_results(args.output_dir)  # so does an edited record
     model, tokenizer = _load(args)
     documents = _documents(args, tokenizer, plan.required_document_tokens())
     check_documents(plan, documents)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..methods import list_methods
 from ..patching import DEFAULT_STEPS_PER_DOUBLING
+from ..spec import PatchSpec, extended_length
 from .perplexity import DEFAULT_CHUNK_SIZE
 from .records import NONE_METHOD, EvaluationError
 from .retrieval import TASKS
@@ -93,8 +94,13 @@ class EvalPlan:
             raise EvaluationError(
                 f"steps_per_doubling must be a positive integer or None (exact length), got {steps!r}."
             )
-        if len(set(self.methods)) != len(self.methods):
-            raise EvaluationError(f"A method is listed twice in {self.methods}.")
+        # A value listed twice would be computed and counted twice (a cell of 8 prompts for 4 distinct ones).
+        for name in ("methods", "scales", "ppl_lengths", "ppl_modes", "retrieval_tasks", "retrieval_lengths",
+                     "depths"):  # fmt: skip
+            values = getattr(self, name)
+            twice = sorted({str(value) for value in values if values.count(value) > 1})
+            if twice:
+                raise EvaluationError(f"{', '.join(twice)} is listed twice in {name} {values}; list each value once.")
         scaled = [method for method in self.methods if method != NONE_METHOD]
         if scaled and not self.scales:
             raise EvaluationError(f"Methods {scaled} need at least one scale; use e.g. --scales 2,4.")
@@ -132,6 +138,9 @@ class EvalPlan:
             raise EvaluationError(f"needle_count must be between 2 and 20, got {self.needle_count}.")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise EvaluationError(f"bucket_size must be a positive number of tokens, got {self.bucket_size}.")
+        if self.sliding_tokens is not None and "sliding" not in self.ppl_modes:
+            raise EvaluationError("sliding_tokens (--sliding-tokens) applies to sliding-window perplexity only; "
+                                  "add sliding to --ppl-modes, or leave it out.")  # fmt: skip
         if "sliding" in self.ppl_modes and self.ppl_lengths:
             if self.stride > min(self.ppl_lengths):
                 raise EvaluationError(
@@ -149,6 +158,8 @@ class EvalPlan:
                 f"context of {native_context} tokens, so the scaling methods are not compared where they matter. "
                 f"Add a length above {native_context} (e.g. {2 * native_context})."
             )
+        if native_context is not None:
+            self._check_configurations(native_context)
         if self.retrieval_tasks:
             shortest = min(self.retrieval_lengths) - self.max_new_tokens
             if shortest < 128:
@@ -156,6 +167,34 @@ class EvalPlan:
                     f"Retrieval length {min(self.retrieval_lengths)} leaves {shortest} prompt tokens; use at least "
                     f"{128 + self.max_new_tokens}."
                 )
+
+    def check_reach(self, native_context: int) -> None:
+        """Refuse lengths beyond the largest extended context (native context x the largest scale),
+        where even the patched models run outside the context they were extended to, and where a
+        typo (10000000) would run out of memory instead of failing here. For the commands that take
+        lists of lengths (``eval``); the demo and library callers may measure beyond it on purpose."""
+        lengths = self.ppl_lengths + self.retrieval_lengths
+        if not self.scales or not lengths:
+            return
+        reach = max(extended_length(native_context, scale) for scale in self.scales)
+        if max(lengths) > reach:
+            raise EvaluationError(
+                f"Length {max(lengths)} is beyond {reach} tokens, the model's native context of {native_context} "
+                f"times the largest scale {max(self.scales):g}; use lengths up to {reach}, or a larger --scales."
+            )
+
+    def _check_configurations(self, native_context: int) -> None:
+        """Build the patch of every (method, scale) without a model, so that a pair the patch refuses
+        (a method that needs parameters eval cannot pass, a scale under a whole token) fails now,
+        not after the configurations before it have run."""
+        for method, scale in self.configurations():
+            if method == NONE_METHOD:
+                continue
+            try:
+                PatchSpec.for_configuration(method, scale, original_max_length=native_context,
+                                            steps_per_doubling=self.steps_per_doubling)  # fmt: skip
+            except (TypeError, ValueError) as error:
+                raise EvaluationError(f"{method} at scale {scale:g}: {error}") from None
 
     def required_document_tokens(self) -> int:
         """How many tokens every document needs."""

@@ -63,6 +63,9 @@ __all__ = [
     "EvaluationError",
     "ResultStore",
     "case_key",
+    "check_output_dir",
+    "check_record",
+    "check_same_model",
     "load_records",
     "parse_steps_per_doubling",
     "read_records",
@@ -136,24 +139,170 @@ def data_key(record: Mapping[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# Checking a record
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_bucket(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) == 3 and _is_int(value[0]) and _is_int(value[1])
+            and 0 <= value[0] < value[1] and _is_number(value[2]))  # fmt: skip
+
+
+# Field -> (required, test, what it must be): the fields that the reports, summaries and model
+# cards read. A hand-edited line that breaks one is refused with its line number when the file is
+# read, instead of a traceback in whichever report reads it first (after the new cases ran).
+_TEXT = (lambda value: isinstance(value, str) and bool(value), "a non-empty string")
+_INT = (_is_int, "an integer")
+_NUMBER = (_is_number, "a number")
+_OPTIONAL_INT = (lambda value: value is None or _is_int(value), "an integer or null")
+_OPTIONAL_TEXT = (lambda value: value is None or isinstance(value, str), "a string or null")
+_COMMON_FIELDS = {
+    "method": (True, *_TEXT),
+    "scale": (False, lambda value: value is None or (_is_number(value) and value > 0), "a number > 0 or null"),
+    "steps_per_doubling": (False, lambda value: value is None or value == EXACT_STEPS or (_is_int(value) and value > 0),
+                           f"a positive integer, '{EXACT_STEPS}' or null"),
+    "model": (False, *_OPTIONAL_TEXT),
+    "dtype": (False, *_OPTIONAL_TEXT),
+    "native_context": (False, lambda value: value is None or (_is_int(value) and value > 0),
+                       "a positive integer or null"),
+    "rope_fingerprint": (False, *_OPTIONAL_TEXT),
+    "seconds": (False, lambda value: value is None or _is_number(value), "a number or null"),
+    "reused_from": (False, lambda value: value is None or (isinstance(value, dict) and isinstance(value.get("method"),
+                                                                                              str)),
+                    "null or an object with a 'method'"),
+}  # fmt: skip
+RECORD_FIELDS = {
+    "perplexity": {
+        "mode": (True, lambda value: value in ("buckets", "sliding"), "'buckets' or 'sliding'"),
+        **_COMMON_FIELDS,
+        "document": (True, *_TEXT),
+        "context_length": (True, lambda value: _is_int(value) and value >= 2, "an integer >= 2"),
+        "stride": (False, *_OPTIONAL_INT),
+        "eval_tokens": (False, *_OPTIONAL_INT),
+        "bucket_size": (False, *_OPTIONAL_INT),
+        "ppl": (False, lambda value: value is None or _is_number(value), "a number or null"),
+        "nll": (True, *_NUMBER),
+        "tokens": (True, lambda value: _is_int(value) and value >= 0, "an integer >= 0"),
+        "windows": (False, *_OPTIONAL_INT),
+    },
+    "retrieval": {
+        "task": (True, *_TEXT),
+        **_COMMON_FIELDS,
+        "length": (True, lambda value: _is_int(value) and value >= 2, "an integer >= 2"),
+        "depth": (True, lambda value: _is_number(value) and 0 <= value <= 1, "a number between 0 and 1"),
+        "seed": (False, *_OPTIONAL_INT),
+        "needle_count": (False, *_OPTIONAL_INT),
+        "max_new_tokens": (False, *_OPTIONAL_INT),
+        # correct > trials is shown as "counts inconsistent" by the report, so only the types are checked
+        "correct": (False, _is_int, "an integer"),
+        "trials": (False, lambda value: _is_int(value) and value >= 1, "an integer >= 1"),
+        "accuracy": (False, lambda value: value is None or _is_number(value), "a number or null"),
+        "answers": (False, lambda value: value is None or isinstance(value, list), "a list or null"),
+        "outputs": (False, lambda value: value is None or isinstance(value, list), "a list or null"),
+    },
+}
+
+
+def check_record(record: Mapping[str, Any], *, complete: bool = True) -> None:
+    """Raise ``ValueError`` naming the first field of ``record`` that the readers could not read.
+
+    ``complete``: every field the evaluation's reports need must be there; otherwise (model cards,
+    which show what a hand-written record has) only the fields present are checked.
+    """
+    kind = record.get("kind")
+    if kind not in RECORD_FIELDS:
+        raise ValueError(f"field 'kind' must be one of {sorted(RECORD_FIELDS)}, got {kind!r}")
+    for name, (required, test, expected) in RECORD_FIELDS[kind].items():
+        if name not in record:
+            if required and complete:
+                raise ValueError(f"field {name!r} is missing (it must be {expected})")
+        elif not test(record[name]):
+            raise ValueError(f"field {name!r} must be {expected}, got {record[name]!r}")
+    buckets = record.get("buckets")
+    if kind == "perplexity" and buckets is None and complete and record["mode"] == "buckets":
+        raise ValueError("field 'buckets' is missing (a list of [start, end, ppl] in buckets mode)")
+    if kind == "perplexity" and buckets is not None:
+        if not isinstance(buckets, list) or not all(_is_bucket(bucket) for bucket in buckets):
+            raise ValueError(f"field 'buckets' must be a list of [start, end, ppl] with 0 <= start < end, "
+                             f"got {buckets!r}")  # fmt: skip
+    if kind == "retrieval" and complete:
+        # Without both counts the report pools the accuracy (records written by hand).
+        if ("correct" in record) != ("trials" in record):
+            missing = "trials" if "correct" in record else "correct"
+            raise ValueError(f"field {missing!r} is missing (give 'correct' and 'trials' together)")
+        if "trials" not in record and not _is_number(record.get("accuracy")):
+            raise ValueError("fields 'correct' and 'trials' are missing (or give a numeric 'accuracy')")
+
+
+def check_output_dir(output_dir: str | os.PathLike) -> None:
+    """Refuse an output folder that is a file, or whose ``results.jsonl`` is not a file, before any work."""
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise EvaluationError(f"--output-dir {output_dir} is a file, not a folder; pass a folder (new or existing).")
+    results = output_dir / RESULTS_FILE
+    if results.exists() and not results.is_file():
+        raise EvaluationError(f"{results} is not a file; remove it or use another --output-dir.")
+
+
+def check_same_model(records: list[Mapping[str, Any]], path: str | os.PathLike, model: str, dtype: str,
+                     fingerprint: str) -> None:
+    """Refuse the results of an example script made with another model (its own records name it by
+    ``model``, ``dtype`` and ``model_fingerprint``), as the evaluation refuses them: they would be
+    taken as done and shown for this model. Fingerprints differ between dtypes (the weights are
+    sampled as they are stored), so they are compared within a dtype."""
+    for record in records:
+        if "model_fingerprint" not in record or not isinstance(record.get("model"), str):
+            raise EvaluationError(
+                f"{path} holds results written before the model was recorded with them, so they may be another "
+                "model's; use another --output-dir."
+            )
+        if record["model"] != model:
+            raise EvaluationError(
+                f"{path} holds results of {record['model']!r}, not {model!r}; use another --output-dir for this model."
+            )
+        if record.get("dtype", "fp32") == dtype and record["model_fingerprint"] != fingerprint:
+            raise EvaluationError(
+                f"{path} holds results of a model named {model!r} ({dtype}) whose config or weights differ from the "
+                f"model loaded now (fingerprint {record['model_fingerprint']} against {fingerprint}). Use another "
+                "--output-dir for this model."
+            )
+
+
+# ----------------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------------
 
 
-def load_records(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int | None]:
+def load_records(path: str | os.PathLike, *, require_kind: bool = False) -> tuple[list[dict[str, Any]], int | None]:
     """``(records, skipped)``: the JSON objects of a results file, one per line, and the number of
     the line that was skipped as cut off (None if none was).
 
     Every append writes a whole line ending in a newline, so an interrupted one (Ctrl-C, a killed
     job, a full disk) leaves at most a last line without its newline: that line, if it is not
-    valid JSON, is skipped with a warning naming it. Any other line that is not a JSON object
-    raises :class:`EvaluationError` naming the file and line. Blank lines are ignored; a missing
-    file has no records.
+    valid JSON, is skipped with a warning naming it. Any other line that is not a JSON object, or
+    whose record :func:`check_record` refuses (every record, complete, with ``require_kind``;
+    otherwise the fields present of records of a known kind), raises :class:`EvaluationError`
+    naming the file and line. Blank lines are ignored; a missing file has no records.
     """
     path = Path(path)
     if not path.exists():
         return [], None
-    text = path.read_text(encoding="utf-8")
+    if not path.is_file():
+        raise EvaluationError(f"{path} is not a file; remove it or use another folder.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise EvaluationError(
+            f"{path} is not UTF-8 text (byte {error.start}); it is not a results file: fix it or use another folder."
+        ) from None
     lines = text.splitlines()
     records: list[dict[str, Any]] = []
     for number, line in enumerate(lines, start=1):
@@ -173,6 +322,12 @@ def load_records(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int | N
             raise EvaluationError(
                 f"{path}:{number} holds a JSON {type(record).__name__}, not an object; fix or remove that line."
             )
+        # Other readers (model cards) take hand-written records with fields left out: check what is there.
+        if require_kind or record.get("kind") in RECORD_FIELDS:
+            try:
+                check_record(record, complete=require_kind)
+            except ValueError as error:
+                raise EvaluationError(f"{path}:{number}: {error}; fix or remove that line.") from None
         records.append(record)
     return records, None
 
@@ -185,10 +340,7 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def read_results(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of ``<output_dir>/results.jsonl`` (empty if there is none), each of a known kind."""
-    records = read_records(Path(output_dir) / RESULTS_FILE)
-    for record in records:
-        case_key(record)  # raises on records of an unknown kind
-    return records
+    return load_records(Path(output_dir) / RESULTS_FILE, require_kind=True)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,17 +352,20 @@ class ResultStore:
     """``results.jsonl``: read once, then appended one line per finished case."""
 
     def __init__(self, output_dir: str | os.PathLike):
+        check_output_dir(output_dir)
         self.path = Path(output_dir) / RESULTS_FILE
-        self.records, skipped = load_records(self.path)
-        for record in self.records:
-            case_key(record)  # raises on records of an unknown kind
+        self.records, skipped = load_records(self.path, require_kind=True)
         if skipped is not None:
             # Drop the cut-off line before appending, so that it does not end up inside the file.
             atomic_write_text(self.path, "".join(json.dumps(record) + "\n" for record in self.records))
-        self._keys = {case_key(record) for record in self.records}
+        self._by_key = {case_key(record): record for record in self.records}
 
     def __contains__(self, key: str) -> bool:
-        return key in self._keys
+        return key in self._by_key
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The stored record of a case, or None."""
+        return self._by_key.get(key)
 
     def append(self, record: dict[str, Any]) -> None:
         line = json.dumps(record) + "\n"
@@ -222,7 +377,7 @@ class ResultStore:
             file.flush()
             os.fsync(file.fileno())
         self.records.append(record)
-        self._keys.add(case_key(record))
+        self._by_key.setdefault(case_key(record), record)
 
     def _lacks_final_newline(self) -> bool:
         if not self.path.exists() or self.path.stat().st_size == 0:

@@ -299,8 +299,12 @@ def plot_retrieval(records: Sequence[Mapping[str, Any]], output_dir: Path) -> li
             for row in task_rows:
                 if record_state(row) == state:
                     i, j = depths.index(row["depth"]), lengths.index(row["length"])
-                    grid[i][j] = row["correct"] / row["trials"]
-                    labels[i][j] = f"{row['correct']}/{row['trials']}"
+                    if isinstance(row.get("trials"), int) and row["trials"] > 0:
+                        grid[i][j] = row["correct"] / row["trials"]
+                        labels[i][j] = f"{row['correct']}/{row['trials']}"
+                    else:  # a hand-written record with an accuracy only
+                        grid[i][j] = float(row["accuracy"])
+                        labels[i][j] = format_accuracy(row["accuracy"])
             image = axes.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
             for i in range(len(depths)):
                 for j in range(len(lengths)):

@@ -170,8 +170,38 @@ def _fingerprint_of(model: nn.Module, spec: Mapping[str, Any]) -> str:
     return first if first == last else f"{first}+{last}"
 
 
+def _check_stored_frequencies(model: nn.Module, store: ResultStore, groups, plan: EvalPlan,
+                              native_context: int) -> None:
+    """Refuse finished cases whose rotary frequencies differ from those the patch gives now.
+
+    A method's parameters are not part of a case's name: a method registered again with other
+    defaults, or a built-in whose defaults changed between versions, would otherwise count as done
+    and report the old numbers. Records without a RoPE fingerprint are taken as they are.
+    """
+    for method, scale, cases in groups:
+        done = [(case, store.get(case.key)) for case in cases if case.key in store]
+        done = [(case, record) for case, record in done if isinstance(record.get("rope_fingerprint"), str)]
+        if not done:
+            continue
+        if method != NONE_METHOD:
+            PatchSpec.for_configuration(method, scale, original_max_length=native_context,
+                                        steps_per_doubling=plan.steps_per_doubling).apply(model)  # fmt: skip
+        try:
+            for case, record in done:
+                now = _fingerprint_of(model, case.spec)
+                if record["rope_fingerprint"] != now:
+                    raise EvaluationError(
+                        f"{case.label}: {store.path} holds this case computed with other rotary frequencies (RoPE "
+                        f"fingerprint {record['rope_fingerprint']}, now {now}): the method's parameters or code "
+                        "changed since. Use another --output-dir for the new numbers."
+                    )
+        finally:
+            if method != NONE_METHOD:
+                unpatch_model(model)
+
+
 def _run_case(model: nn.Module, tokenizer, plan: EvalPlan, spec: dict[str, Any],
-              documents: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+              documents: Mapping[str, torch.Tensor], progress: bool = True) -> dict[str, Any]:
     if spec["kind"] == "perplexity":
         document = documents[spec["document"]]
         if spec["mode"] == "buckets":
@@ -181,13 +211,14 @@ def _run_case(model: nn.Module, tokenizer, plan: EvalPlan, spec: dict[str, Any],
                     "nll": result.nll, "tokens": result.tokens, "windows": 1}  # fmt: skip
         result = sliding_window_perplexity(
             model, [document], spec["context_length"], stride=spec["stride"], max_tokens=spec["eval_tokens"],
-            bos_token_id=getattr(tokenizer, "bos_token_id", None), chunk_size=plan.chunk_size,
+            bos_token_id=getattr(tokenizer, "bos_token_id", None), chunk_size=plan.chunk_size, progress=progress,
         )
         return {"buckets": None, "ppl": result.ppl, "nll": result.nll, "tokens": result.tokens,
                 "windows": result.windows}  # fmt: skip
     result = retrieval_accuracy(
         model, tokenizer, spec["task"], spec["length"], spec["depth"], trials=spec["trials"], seed=spec["seed"],
         needle_count=spec["needle_count"] or plan.needle_count, max_new_tokens=spec["max_new_tokens"],
+        progress=progress,
     )
     return {"correct": result.correct, "accuracy": result.accuracy, "answers": result.answers,
             "outputs": result.outputs}  # fmt: skip
@@ -234,6 +265,7 @@ def run_evaluation(
                                      native_context))
               for method, scale in plan.configurations()]  # fmt: skip
     planned = [case for _, _, cases in groups for case in cases]
+    _check_stored_frequencies(model, store, groups, plan, native_context)
     pending = sum(case.key not in store for case in planned)
     logger.info("%d cases planned, %d already in %s, %d to run.", len(planned), len(planned) - pending, store.path,
                 pending)  # fmt: skip
@@ -261,7 +293,7 @@ def run_evaluation(
                                     source["method"], source["scale"])  # fmt: skip
                     else:
                         started = time.perf_counter()
-                        results = _run_case(model, tokenizer, plan, case.spec, documents)
+                        results = _run_case(model, tokenizer, plan, case.spec, documents, progress)
                         results["seconds"] = round(time.perf_counter() - started, 2)
                         results["reused_from"] = None
                     record.update(results)
