@@ -1083,6 +1083,7 @@ class AttentionPatch:
     key_rotations: KeyRotationTables = field(default_factory=KeyRotationTables)
     key_rotations_below_settle: KeyRotationTables = field(default_factory=KeyRotationTables)
     warned_no_weights: bool = False
+    hooks: list = field(default_factory=list)  # the model's forward pre-hook that forgets the geometry
 
     def __deepcopy__(self, memo: dict) -> AttentionPatch:
         # A copied model (copy.deepcopy, as TRL makes reference models) needs a patch and registry
@@ -1130,6 +1131,11 @@ class AttentionPatch:
             raise ValueError("attention-level methods do not support attention dropout during training; set it to 0.")
         if geometry is not None:
             query_slot, key_offset = geometry.query_offset, geometry.key_offset
+        elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+            # A 4-D mask of the caller's own (transformers then skips the mask function, which
+            # records the geometry): a token sees itself, so the last allowed column of the last
+            # query row is that query's slot (a static cache is longer than its tokens).
+            query_slot, key_offset = _query_slot_from_mask(attention_mask, query_len, key_len), 0
         else:  # keys are the cached tokens followed by this call's
             query_slot, key_offset = key_len - query_len, 0
         key_positions = _key_positions(position_ids, query_slot, key_offset, key_len)
@@ -1141,7 +1147,10 @@ class AttentionPatch:
         window = kwargs.get("sliding_window") if flash_style else None
         max_distance = None if window is None else int(window) - 1
         bounds = None
-        if flash_style and attention_mask is None and self.original_implementation in FLASH_IMPLEMENTATIONS:
+        # No mask: flash attention's packed sequences, or sdpa's causal-by-slot shortcut, which
+        # transformers also takes for restarting positions when a cache is passed (use_cache's
+        # default): each sequence is then computed alone, never seeing the next one's tokens.
+        if attention_mask is None and (self.original_implementation in FLASH_IMPLEMENTATIONS or query_len == key_len):
             bounds = _packed_bounds(position_ids, kwargs, query_len, key_len)
         if bounds is None:
             allowed = _mask_reader(attention_mask, query_len, key_len, position_ids, key_positions)
@@ -1152,7 +1161,7 @@ class AttentionPatch:
                 weights = self._weights(query, key, position_ids, key_positions, allowed, remap, inv_freq, scaling,
                                         max_distance)
             return output, weights
-        if kwargs.get("output_attentions"):  # packed sequences come from flash attention only: no weights
+        if kwargs.get("output_attentions"):  # packed sequences come without a mask (flash, sdpa): no weights
             self._warn_no_weights()
         # Packed sequences: each is computed as if it were alone in its own forward (plain
         # attention inside L0), with key tables of its own.
@@ -1203,6 +1212,11 @@ class AttentionPatch:
             key_rotations=key_rotations,
             max_distance=max_distance,
         )
+
+    def forget_geometry(self, *args: Any) -> None:
+        """Forward pre-hook of the model: the geometry recorded by :meth:`mask` belongs to one
+        forward; a forward whose mask function does not run must not read an earlier one's."""
+        self.geometry.clear()
 
     def mask(self, *args, **kwargs):
         """The mask function registered for this model: the original one, plus the cache geometry."""
@@ -1290,6 +1304,21 @@ def _packed_bounds(position_ids: torch.Tensor, kwargs: Mapping[str, Any], query_
     return bounds
 
 
+def _query_slot_from_mask(attention_mask: torch.Tensor, query_len: int, key_len: int) -> int:
+    """The cache slot of the first query, read from a 4-D mask: the last query row's last allowed
+    column is its own slot (in the row with the most tokens: a padded query does not see itself)."""
+    last_row = attention_mask[:, 0, -1, :key_len]
+    allowed = last_row if last_row.dtype == torch.bool else last_row == 0
+    columns = torch.arange(key_len, device=allowed.device).expand_as(allowed)
+    last = int(torch.where(allowed, columns, -1).max())
+    if last < query_len - 1:
+        raise ValueError(
+            f"attention-level methods could not place this call's {query_len} queries among {key_len} keys from its "
+            "4-D attention mask; pass a 2-D (batch, sequence) mask instead."
+        )
+    return last - (query_len - 1)
+
+
 def _mask_reader(attention_mask, query_len: int, key_len: int, query_positions, key_positions):
     """A function ``(start, end) -> allowed (B, 1, end - start, Tk) bool or None`` for any mask format."""
     if attention_mask is None:
@@ -1344,6 +1373,7 @@ def install(
     remap_applies: Callable[[], bool] | None = None,
     remap_below_settle: PositionRemap | None = None,
     inv_freq_below_settle: torch.Tensor | None = None,
+    model: nn.Module | None = None,
 ) -> AttentionPatch:
     """Route this model's attention through :meth:`AttentionPatch.attention`; see the module docstring.
 
@@ -1368,6 +1398,8 @@ def install(
         remap_below_settle=remap_below_settle,
         inv_freq_below_settle=None if inv_freq_below_settle is None else inv_freq_below_settle.detach().to(torch.float64).cpu(),
     )
+    if model is not None:  # a bound method, so that copy.deepcopy binds the copy's hook to the copy's patch
+        patch.hooks.append(model.register_forward_pre_hook(patch.forget_geometry))
     _register(patch)
     config._attn_implementation = patch.name
     logger.info("Attention of this model routed through %s (was %r).", patch.name, implementation)
@@ -1426,6 +1458,9 @@ def uninstall(patch: AttentionPatch) -> None:
     if getattr(patch.config, "_attn_implementation", None) == patch.name:
         patch.config._attn_implementation = patch.original_implementation
     _remove_entries(patch.name)
+    for handle in patch.hooks:
+        handle.remove()
+    patch.hooks.clear()
     patch.geometry.clear()
     patch.key_rotations.clear()
     patch.key_rotations_below_settle.clear()

@@ -398,6 +398,7 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec) -> None:
                 remap_applies=None if settled is None else rotary.remap_applies,
                 remap_below_settle=remap_below_settle,
                 inv_freq_below_settle=None if remap_below_settle is None else rotary.frequencies(settled)[0],
+                model=caller,
             )
     except Exception:
         if rotary.cache_guard is not None:

@@ -15,7 +15,7 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from hf_rope_ext import get_patch_info, patch_model, unpatch_model
+from hf_rope_ext import get_patch_info, patch_model, planned_length, unpatch_model
 from hf_rope_ext import attention as attention_level
 
 from conftest import ORIGINAL_CONTEXT, make_model, native_twin, random_ids
@@ -810,18 +810,21 @@ PACKED_LENGTHS = (60, 20, 50)  # beyond L0, inside it, beyond it
 
 
 @pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "self-extend+logn"])
-@pytest.mark.parametrize("packing", ["flash, position ids", "flash, cu_seq_lens", "sdpa, no cache"])
+@pytest.mark.parametrize("packing", ["flash, position ids", "flash, cu_seq_lens", "sdpa, no cache", "sdpa, a cache"])
 def test_packed_sequences_each_equal_their_own_forward(method, packing):
     """Sequences packed into one row (DataCollatorWithFlattening) never read each other, as
     transformers' own paths have it: sdpa through its block mask, flash attention through the
-    position ids that restart or the ``cu_seq_lens`` arguments."""
-    model = make_model("mistral", attn_implementation="sdpa", sliding_window=SLIDING_WINDOW)
+    position ids that restart or the ``cu_seq_lens`` arguments. With a cache (use_cache's
+    default) sdpa gets no mask at all for a model without a window; the earlier sequences must
+    still not see later tokens."""
+    shape = {"family": "llama"} if packing == "sdpa, a cache" else {"family": "mistral", "sliding_window": SLIDING_WINDOW}
+    model = make_model(attn_implementation="sdpa", **shape)
     patch_model(model, scale=4, method=method)
-    packed_model = make_model("mistral", attn_implementation="sdpa", sliding_window=SLIDING_WINDOW)  # same weights
+    packed_model = make_model(attn_implementation="sdpa", **shape)  # same weights
     kwargs = {}
     if packing == "sdpa, no cache":
         kwargs["use_cache"] = False  # transformers reads packing from position ids only without a cache
-    else:
+    elif packing.startswith("flash"):
         _as_flash_attention(packed_model)
     patch_model(packed_model, scale=4, method=method)
     sequences = [random_ids(n, seed=seed) for seed, n in enumerate(PACKED_LENGTHS)]
@@ -834,6 +837,31 @@ def test_packed_sequences_each_equal_their_own_forward(method, packing):
         alone = torch.cat([model(sequence).logits for sequence in sequences], dim=1)
         packed = packed_model(ids, position_ids=positions, **kwargs).logits
     torch.testing.assert_close(packed, alone, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["self-extend-yarn", "self-extend", "dual-chunk"])
+def test_static_cache_with_a_4d_mask_of_the_callers_own_equals_a_full_forward(method):
+    """A 4-D mask passed in skips transformers' mask function, which records where the tokens sit in
+    the cache: the slots are read from the mask then (a static cache is longer than its tokens),
+    and never from an earlier forward's geometry."""
+    from transformers import StaticCache
+
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method=method)
+    ids = random_ids(3 * L0 + 4, seed=2)
+    length, size = ids.shape[1], 4 * L0
+    causal = (torch.arange(size)[None, :] <= torch.arange(length)[:, None])[None, None]
+    with torch.no_grad(), planned_length(model, length):
+        full = model(ids).logits
+        cache = StaticCache(config=model.config, max_cache_len=size)
+        model(ids, past_key_values=cache)  # leaves the geometry of (length, size) behind
+        cache = StaticCache(config=model.config, max_cache_len=size)
+        prefill = length - 6
+        out = [model(ids[:, :prefill], attention_mask=causal[:, :, :prefill], past_key_values=cache).logits]
+        for step in range(prefill, length):  # a decode loop with the caller's masks
+            out.append(model(ids[:, step : step + 1], attention_mask=causal[:, :, step : step + 1],
+                             past_key_values=cache, position_ids=torch.tensor([[step]])).logits)  # fmt: skip
+    torch.testing.assert_close(torch.cat(out, dim=1), full, atol=5e-5, rtol=1e-4)
 
 
 def test_packed_sequences_with_other_key_boundaries_are_refused():
