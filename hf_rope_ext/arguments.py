@@ -212,9 +212,28 @@ def check_attention_backend(attn_implementation: str, *, device: str | None = No
         raise ValueError(f"--attn-implementation {attn_implementation} needs half precision: {precision_fix}.")
 
 
-def check_device(device: str | None) -> None:
-    """Refuse ``--device cuda...`` on a machine without CUDA."""
+def check_device(device: str | None) -> str | None:
+    """The ``--device`` value normalised (``CUDA`` -> ``cuda``), or ``ValueError`` when torch does
+    not know it or this machine lacks it (before any model loads; ``model.to`` would fail later).
+    None or empty: the default device."""
     import torch
 
-    if device and device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} was asked for but CUDA is not available; use --device cpu.")
+    if device is None or not device.strip():
+        return None
+    name = device.strip().lower()
+    try:
+        parsed = torch.device(name)
+    except RuntimeError:
+        hint = " (to spread a model over GPUs use --device-map auto)" if name == "auto" else ""
+        raise ValueError(f"--device {device} is not a device torch knows; use cpu, cuda, cuda:N or mps{hint}.") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device} was asked for but CUDA is not available; use --device cpu.")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0; "
+                "use --device cuda:0."
+            )
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device} was asked for but MPS (Apple GPUs) is not available; use --device cpu.")
+    return name

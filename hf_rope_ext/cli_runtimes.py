@@ -6,15 +6,45 @@ import argparse
 import json
 from typing import Any
 
+from .arguments import model_label
+from .config_io import read_record
 from .hub import read_checked_config
+from .loading import SMOLLM2_ALIASES, resolve_model_path
 from .methods import get_method
 from .runtimes import describe_patch, runtime_settings
+
+# Python's spellings of JSON's true/false/null, which users type as often.
+_PYTHON_LITERALS = {"True": True, "False": False, "None": None}
+
+# Keys that are not method parameters, and the flag that sets each (--model-dir's config gives
+# the model's own RoPE facts).
+_FLAG_OF_KEY = {
+    "rope_theta": "--rope-theta", "rotary_dim": "--rotary-dim", "partial_rotary_factor": "--rotary-dim",
+    "model_type": "--model-type", "original_max_length": "--original-context",
+    "original_max_position_embeddings": "--original-context", "scale": "--scale", "factor": "--scale",
+    "method": "--method",
+}  # fmt: skip
+_MODEL_FACTS = ("rope_theta", "rotary_dim", "partial_rotary_factor")
+
+
+def _check_param_keys(params: dict[str, Any], model_dir: str | None) -> None:
+    for key in params:
+        if key not in _FLAG_OF_KEY:
+            continue
+        if key in _MODEL_FACTS and model_dir:
+            raise ValueError(
+                f"--param {key}: {key} is the model's own, read from the config in {model_dir}; to describe another "
+                "model, give --rope-theta and --rotary-dim without --model-dir."
+            )
+        raise ValueError(f"--param {key}: {key} is not a method parameter; use {_FLAG_OF_KEY[key]}.")
 
 
 def _parse_param(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"--param takes KEY=VALUE (e.g. beta_fast=32), got {text!r}.")
+    if value in _PYTHON_LITERALS:
+        return key, _PYTHON_LITERALS[value]
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
@@ -54,17 +84,28 @@ def _runtimes_command(args: argparse.Namespace) -> int:
 
 def _runtimes(args: argparse.Namespace) -> int:
     params = dict(args.param)
+    _check_param_keys(params, args.model_dir)
     if args.steps_per_doubling is not None:
         params["steps_per_doubling"] = args.steps_per_doubling
     if args.model_dir:
         if args.rope_theta is not None or args.rotary_dim is not None:
             raise SystemExit("--rope-theta/--rotary-dim describe a model without --model-dir; give one or the other.")
-        config = read_checked_config(args.model_dir)
+        # smollm2 -> the cached checkpoint, as every other command reads it (not a Hub id).
+        alias = args.model_dir.lower() in SMOLLM2_ALIASES
+        config = read_checked_config(resolve_model_path(args.model_dir) if alias else args.model_dir)
+        record = read_record(config)
+        if record is not None and (args.method or args.scale is not None or params or args.original_context is not None):
+            raise ValueError(
+                f"{args.model_dir} is already patched ({record.get('method')}, scale {record.get('scale')}): run "
+                "without --method/--scale/--param/--original-context/--steps-per-doubling for its settings, or pass "
+                "the base model's folder to describe another patch."
+            )
         if args.original_context is not None:
             params["original_max_length"] = args.original_context
         settings = runtime_settings(config, args.method, args.scale, model_type=args.model_type, **params)
         # Runtimes cannot load a checkpoint with one of this package's own rope types.
-        model = args.model_dir if args.method or get_method(settings.method).transformers_rope_type else "BASE_MODEL"
+        model = model_label(args.model_dir) if args.method or get_method(settings.method).transformers_rope_type \
+            else "BASE_MODEL"
     else:
         missing = [flag for flag, value in (("--method", args.method), ("--scale", args.scale),
                    ("--original-context", args.original_context), ("--rope-theta", args.rope_theta),

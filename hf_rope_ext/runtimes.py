@@ -17,6 +17,7 @@ Sources read: vLLM ``vllm/config/model.py`` (``_get_and_verify_max_len``) and
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shlex
@@ -27,6 +28,7 @@ from typing import Any
 from torch import nn
 
 from . import compat, config_io
+from .families import family_info, tested_families
 from .methods import COMMON_PARAMS, LOGN_SUFFIX, RUNTIMES, dynamic_ntk_base, get_method, ntk_base, yarn_mscale
 from .spec import NOT_GIVEN, PatchSpec
 
@@ -43,8 +45,12 @@ __all__ = [
 ]
 
 # transformers model_type -> llama.cpp GGUF architecture name (convert_hf_to_gguf.py converts
-# Mistral checkpoints with its Llama class).
-_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Mistral checkpoints with its Llama class); the names are gguf-py's MODEL_ARCH_NAMES.
+_GGUF_ARCH = {
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe", "gpt_neox": "gptneox", "phi": "phi2", "phi3": "phi3", "stablelm": "stablelm",
+    "gemma": "gemma", "granite": "granite", "olmo2": "olmo2", "starcoder2": "starcoder2",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -162,12 +168,24 @@ def _patch_of(
             )
         return source, None
     config = getattr(source, "config", source) if isinstance(source, nn.Module) else source
+    model_type = getattr(config, "model_type", None)
+    info = family_info(model_type)
+    if info is not None and not info.supported:  # patch_model's refusal (find_rotary_module), word for word
+        raise ValueError(
+            f"model_type {model_type!r} is not supported: {info.note}. hf_rope_ext works on RoPE models "
+            f"with a shared rotary module, such as {', '.join(tested_families())}."
+        )
     if not hasattr(config, "rope_parameters"):
         raise TypeError(
             "runtime_settings expects a model, a transformers config or describe_patch(...), got "
             f"{type(source).__name__}."
         )
-    model_type = getattr(config, "model_type", None)
+    patched = config_io.read_record(config) is not None
+    if patched and (method is not None or scale is not None or patch_kwargs):
+        raise ValueError(
+            "This config is already patched; its settings need no method, scale or parameters. To describe another "
+            "patch, pass the original model's config with method= and scale=."
+        )
     if method is None:
         if scale is not None or patch_kwargs:
             raise ValueError("scale and method parameters need method= as well.")
@@ -178,27 +196,31 @@ def _patch_of(
                 "of this (unpatched) model."
             )
         return recorded, model_type
-    if config_io.read_record(config) is not None:
-        raise ValueError("This config is already patched; describe a new patch on the original model's config.")
     rope = compat.rope_parameters(config)
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"This config already uses RoPE scaling (rope_type={rope['rope_type']!r}).")
     if scale is None:
         raise ValueError("runtime_settings needs scale= together with method=.")
-    original = patch_kwargs.pop("original_max_length", None) or config.max_position_embeddings
+    facts = [name for name in ("rope_theta", "rotary_dim", "partial_rotary_factor") if name in patch_kwargs]
+    if facts:
+        raise ValueError(f"{', '.join(facts)} come(s) from the config; describe another model with describe_patch(...).")
+    original = patch_kwargs.pop("original_max_length", None)
+    if original is None:  # not `or`: 0 is refused, as by describe_patch
+        original = config.max_position_embeddings
     kept = {key: rope[key] for key in ("partial_rotary_factor",) if key in rope}
-    return (
-        describe_patch(
-            method,
-            scale,
-            original_max_length=original,
-            rope_theta=rope["rope_theta"],
-            rotary_dim=config_io.rotary_dim_of(config, rope),
-            partial_rotary_factor=kept.get("partial_rotary_factor"),
-            **patch_kwargs,
-        ),
-        model_type,
+    patch = describe_patch(
+        method,
+        scale,
+        original_max_length=original,
+        rope_theta=rope["rope_theta"],
+        rotary_dim=config_io.rotary_dim_of(config, rope),
+        partial_rotary_factor=kept.get("partial_rotary_factor"),
+        **patch_kwargs,
     )
+    # The config class may accept only some rope types (Phi-3: longrope): patch_model writes
+    # the new rope through this check, so a patch it would refuse is refused here too.
+    compat.write_rope_config(copy.deepcopy(config), *_rope_as(patch))
+    return patch, model_type
 
 
 def runtime_settings(
@@ -453,10 +475,15 @@ def _dca_stand_in_note(patch: PatchSpec) -> str:
     settle = patch.rope_method.settle_length(patch.resolved_params())
     below = "dynamic yarn" if patch.method == "dynamic-yarn-dca" else "self-extend on the trained frequencies"
     beyond = "self-extend" if patch.method == "self-extend-yarn" else "dual chunk attention"
+    closest = f"Closest: static yarn at scale {patch.scale:g}; the patch is the original model up to " \
+              f"{patch.original_max_position_embeddings} tokens"  # fmt: skip
+    if settle >= patch.extended_context:  # the context ends before the frequencies change
+        return (
+            f"No runtime has {below} for this architecture. {closest} and {below} up to {patch.extended_context}."
+        )
     return (
-        f"No runtime has {beyond} with these positions for this architecture. Closest: static yarn at scale "
-        f"{patch.scale:g}; the patch is the original model up to {patch.original_max_position_embeddings} tokens, "
-        f"{below} up to {settle}, and beyond that yarn x{patch.params['frequencies_scale']:g} with {beyond}."
+        f"No runtime has {beyond} with these positions for this architecture. {closest}, {below} up to {settle}, "
+        f"and beyond that yarn x{patch.params['frequencies_scale']:g} with {beyond}."
     )
 
 
@@ -515,7 +542,8 @@ def _flag_text(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     value = float(value)
-    return str(int(value)) if value.is_integer() else repr(value)
+    # Whole numbers as integers (--rope-freq-base 100000), but not huge ones (a 301-digit 1e300).
+    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
 
 
 def llama_cpp_ntk(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:

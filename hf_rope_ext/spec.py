@@ -191,8 +191,9 @@ class PatchSpec:
                 raise ValueError(f"rotary_dim must be even (pairs of dimensions rotate together), got {rotary_dim}.")
             set_field(self, "rotary_dim", rotary_dim)
         if self.original_rope_theta is not None:
-            if not is_real(self.original_rope_theta) or not self.original_rope_theta > 0:
-                raise ValueError(f"rope_theta must be a number > 0, got {self.original_rope_theta!r}.")
+            # Finite too: inf would reach runtimes as JSON's invalid Infinity and `--rope-freq-base inf`.
+            if not _finite(self.original_rope_theta) or not self.original_rope_theta > 0:
+                raise ValueError(f"rope_theta must be a finite number > 0, got {self.original_rope_theta!r}.")
             set_field(self, "original_rope_theta", float(self.original_rope_theta))
         if not isinstance(self.params, Mapping):
             raise TypeError(f"params must be a mapping of the method's parameters, got {type(self.params).__name__}.")

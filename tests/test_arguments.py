@@ -105,3 +105,26 @@ def test_one_alias_map_and_backend_check():
     if importlib.util.find_spec("flash_attn") is None:
         with pytest.raises(ValueError, match="flash_attn"):
             check_attention_backend("flash_attention_2")
+
+
+def test_device_is_normalised_and_checked_before_loading():
+    import torch
+
+    from hf_rope_ext.arguments import check_device
+
+    assert check_device(" CPU ") == "cpu" and check_device("cpu:0") == "cpu:0" and check_device(None) is None
+    for device, message in (("nonsense", "--device nonsense is not a device torch knows"),
+                            ("auto", "--device-map auto")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            check_device(device)
+    if not torch.backends.mps.is_available():
+        with pytest.raises(ValueError, match="MPS .* is not available; use --device cpu"):
+            check_device("mps")
+    if torch.cuda.is_available():
+        assert check_device("CUDA") == "cuda"
+        count = torch.cuda.device_count()
+        with pytest.raises(ValueError, match=f"has {count} CUDA device"):
+            check_device(f"cuda:{count}")
+    else:
+        with pytest.raises(ValueError, match="--device CUDA was asked for but CUDA is not available"):
+            check_device("CUDA")

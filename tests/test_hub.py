@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -1063,3 +1064,189 @@ def test_saving_a_patched_model_whose_config_was_edited_in_memory_names_the_caus
     _patch(model, "yarn")
     save_patched(model, tmp_path / "ckpt")
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["max_position_embeddings"] == 4 * L0
+
+
+# ----------------------------------------------------------------------------------------------
+# Runtime settings refuse what patch_model refuses; GGUF names; the notes and numbers they print
+# ----------------------------------------------------------------------------------------------
+
+
+def _tiny_config(model_type, **overrides):
+    from conftest import TINY_SHAPE
+
+    return AutoConfig.for_model(model_type, **{**TINY_SHAPE, "pad_token_id": 0, **overrides})
+
+
+@pytest.mark.parametrize("model_type, method", [("phi3", "yarn"), ("phi3", "dynamic-yarn"), ("cohere", "yarn"),
+                                                ("gpt2", "yarn"), ("gptj", "ntk")])  # fmt: skip
+def test_runtime_settings_refuse_what_patch_model_refuses_with_its_reason(model_type, method):
+    overrides = {"n_positions": L0, "n_embd": 64, "n_head": 4, "n_layer": 2, "rotary_dim": 8} \
+        if model_type in ("gpt2", "gptj") else {}  # fmt: skip
+    config = _tiny_config(model_type, **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError) as refused:
+        patch_model(model, scale=4, method=method)
+    with pytest.raises(ValueError) as runtime_refused:
+        runtime_settings(config, method, 4)
+    assert str(runtime_refused.value) == str(refused.value)
+    assert config.to_dict() == _tiny_config(model_type, **overrides).to_dict()  # checked on a copy
+    if model_type == "phi3":  # what its config class accepts still works
+        assert runtime_settings(config, "longrope", 4, long_factor=LONG_FACTOR).vllm.status == "approximate"
+
+
+def test_gguf_architecture_names_are_llama_cpps():
+    gguf = pytest.importorskip("gguf")
+    from hf_rope_ext.runtimes import _GGUF_ARCH, gguf_arch
+
+    names = gguf.constants.MODEL_ARCH_NAMES
+    arch = gguf.constants.MODEL_ARCH
+    assert gguf_arch("gpt_neox") == names[arch.GPTNEOX]
+    assert gguf_arch("qwen3_moe") == names[arch.QWEN3MOE]
+    assert gguf_arch("phi") == names[arch.PHI2]
+    assert set(_GGUF_ARCH.values()) <= set(names.values())
+
+
+def test_runtime_notes_describe_only_the_context_the_patch_reaches():
+    # the frequencies change at frequencies_scale x L0 (2 x 32 = 64): beyond a context of 48 tokens
+    short = runtime_settings(make_config("llama"), "self-extend-yarn", 1.5)
+    note = short.vllm.notes[0]
+    assert short.extended_context == 48 and "up to 48" in note and "64" not in note and "beyond that" not in note
+    wide = runtime_settings(make_config("llama"), "self-extend-yarn", 4, frequencies_scale=8)
+    assert "yarn x8" not in wide.llama_cpp.notes[0] and f"up to {4 * L0}" in wide.llama_cpp.notes[0]
+    reached = runtime_settings(make_config("llama"), "self-extend-yarn", 4)  # settles at 64 < 128
+    assert "up to 64, and beyond that yarn x2" in reached.vllm.notes[0]
+
+
+def test_huge_rope_theta_is_printed_as_a_float_and_infinite_is_refused():
+    settings = runtime_settings(describe_patch("ntk", 4, original_max_length=8192, rope_theta=1e300, rotary_dim=64))
+    flags = dict(zip(settings.llama_cpp.args[::2], settings.llama_cpp.args[1::2]))
+    expected = 1e300 * 4 ** (64 / 62)  # NTK-aware base: theta * s^(d / (d - 2))
+    assert len(flags["--rope-freq-base"]) < 30 and float(flags["--rope-freq-base"]) == pytest.approx(expected, rel=1e-12)
+    assert flags["--ctx-size"] == "32768"
+    with pytest.raises(ValueError, match="rope_theta must be a finite number > 0, got inf"):
+        describe_patch("yarn", 4, original_max_length=8192, rope_theta=math.inf, rotary_dim=64)
+
+
+def test_runtimes_cli_reads_the_smollm2_alias_python_literals_and_patched_checkpoints(tmp_path, monkeypatch, capsys):
+    from hf_rope_ext import loading
+
+    base = tmp_path / "base"
+    make_config("llama").save_pretrained(base)
+    calls = []
+    monkeypatch.setattr(loading, "smollm2_checkpoint", lambda: calls.append(1) or base)  # no conversion, no Hub
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli_main(["runtimes", "--model-dir", "SmolLM2", "--method", "yarn", "--scale", "4"]) == 0
+    out = capsys.readouterr().out
+    assert calls and f"context {L0} -> {4 * L0} tokens" in out and "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct" in out
+
+    def settings(*params):
+        assert cli_main(["runtimes", "--model-dir", str(base), "--method", "yarn", "--scale", "4", "--json",
+                         *params]) == 0  # fmt: skip
+        return json.loads(capsys.readouterr().out)
+
+    assert settings("--param", "truncate=False") == settings("--param", "truncate=false")
+    assert settings("--param", "attention_factor=None") == settings()
+    # a patched checkpoint: every way of asking for another patch gets the same answer
+    model = make_model("llama")
+    _patch(model, "yarn")
+    patched = save_patched(model, tmp_path / "yarn")
+    messages = set()
+    for extra in (["--param", "beta_fast=16"], ["--method", "ntk", "--scale", "2"], ["--original-context", "16"]):
+        assert cli_main(["runtimes", "--model-dir", str(patched), *extra]) == 2
+        messages.update(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
+    (message,) = messages
+    assert "is already patched (yarn, scale 4.0): run without --method/--scale/--param" in message
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: damaged files, ~, the SmolLM2 cache
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    folder = tmp_path / "tiny"
+    make_model("llama").save_pretrained(folder)
+    _tokenizer(L0).save_pretrained(folder)
+    return folder
+
+
+def test_load_model_names_a_cut_weights_file_expands_home_and_refuses_device_with_device_map(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    from hf_rope_ext.loading import load_model
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model, _ = load_model("~/tiny", device="CPU")  # "~" is the home folder, not a Hub id
+    assert model.device.type == "cpu"
+    with pytest.raises(ValueError, match="Give device or device_map, not both"):
+        load_model(str(tiny_checkpoint), device="cpu", device_map="cpu")
+    weights = tiny_checkpoint / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    with pytest.raises(OSError, match=f"{weights} is damaged or incomplete .* Download or save the checkpoint again"):
+        load_model(str(tiny_checkpoint), device="cpu")
+
+
+def _stub_converter(monkeypatch, calls):
+    """Stand-in for the GGUF conversion: a tiny model and tokenizer, and a record of each call."""
+    from hf_rope_ext import loading
+
+    def convert(staging):
+        calls.append(staging)
+        make_model("llama").save_pretrained(staging)
+        _tokenizer(L0).save_pretrained(staging)
+
+    monkeypatch.setattr(loading, "_convert_smollm2", convert)
+
+
+def test_smollm2_cache_location_and_a_damaged_cache_is_converted_again(tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    from hf_rope_ext.loading import cache_dir, smollm2_checkpoint
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_ROPE_EXT_CACHE", "")  # empty: unset, not the working folder
+    assert cache_dir() == tmp_path / "home" / ".cache" / "hf_rope_ext"
+    monkeypatch.setenv("HF_ROPE_EXT_CACHE", "~/pc")
+    assert cache_dir() == tmp_path / "home" / "pc"
+    calls = []
+    _stub_converter(monkeypatch, calls)
+    target = smollm2_checkpoint()
+    assert target == tmp_path / "home" / "pc" / "smollm2-135m-instruct" and len(calls) == 1
+    assert smollm2_checkpoint() == target and len(calls) == 1  # cached
+    weights = target / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    assert smollm2_checkpoint() == target and len(calls) == 2  # damaged: converted again
+    with safe_open(weights, "pt") as tensors:
+        assert len(list(tensors.keys())) > 0
+    # a file where the cache should be: refused before converting
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("HF_ROPE_EXT_CACHE", str(tmp_path / "a-file"))
+    with pytest.raises(NotADirectoryError, match="a-file is a file. Set HF_ROPE_EXT_CACHE to a folder"):
+        smollm2_checkpoint()
+    assert len(calls) == 2
+
+
+def test_smollm2_conversion_removes_what_killed_conversions_left(tmp_path, monkeypatch):
+    from hf_rope_ext.loading import STALE_STAGING_SECONDS, smollm2_checkpoint
+
+    calls = []
+    _stub_converter(monkeypatch, calls)
+    monkeypatch.setenv("HF_ROPE_EXT_CACHE", str(tmp_path))
+    old = time.time() - STALE_STAGING_SECONDS - 60
+    leftovers = {}
+    for name in (".smollm2-135m-instruct.staging-killed", ".smollm2-135m-instruct.old-killed",
+                 ".smollm2-135m-instruct.staging-running", ".other.staging-killed"):  # fmt: skip
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"0" * 1000)
+        leftovers[name] = folder
+        if not name.endswith("running"):  # another process is still writing this one
+            os.utime(folder / "model.safetensors", (old, old))
+            os.utime(folder, (old, old))
+    smollm2_checkpoint()
+    assert len(calls) == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        ".other.staging-killed", ".smollm2-135m-instruct.staging-running", "smollm2-135m-instruct"
+    ]
