@@ -6,9 +6,13 @@ Tiny random Llama models (see conftest); every test here failed before the fix i
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import math
+import os
 import re
+import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -98,6 +102,10 @@ def checkpoint(tmp_path_factory):
     (folder / "not-a-checkpoint").mkdir()
     (folder / "a-file").write_text("x")
     (folder / "book.txt").write_text(" ".join(f"w{i % 100}" for i in range(400)))
+    (folder / "dataset").mkdir()  # a local datasets folder, split "train"
+    (folder / "dataset" / "data.jsonl").write_text("".join(
+        json.dumps({"text": text}) + "\n" for text in ("w1 " * 50, None, "w2 " * 50)
+    ))  # fmt: skip
     return folder
 
 
@@ -106,7 +114,7 @@ CLI_CASES = {
     "odd rotary dim": (DESCRIBED + ["--rotary-dim", "15"], "rotary_dim must be even"),
     "zero rotary dim": (DESCRIBED + ["--rotary-dim", "0"], "rotary_dim must be a positive number of dimensions"),
     "negative rope theta": (["runtimes", "--method", "yarn", "--scale", "4", "--original-context", "32",
-                             "--rope-theta", "-1", "--rotary-dim", "16"], "rope_theta must be a number > 0"),
+                             "--rope-theta", "-1", "--rotary-dim", "16"], "rope_theta must be a finite number > 0"),
     "infinite scale": (["runtimes", "--method", "yarn", "--scale", "inf", "--original-context", "32",
                         "--rope-theta", "1e4", "--rotary-dim", "16"], "scale must be finite"),
     "unparsable param": (DESCRIBED + ["--rotary-dim", "16", "--param", "beta_fast=abc"],
@@ -129,6 +137,35 @@ CLI_CASES = {
                                                            "{folder}/book.txt", "--scale", "2", "--no-cache",
                                                            "--candidates", "yarn;yarn:truncate=1"],
                                                           "candidate 'yarn:truncate=1': Parameter 'truncate'"),
+    "infinite rope theta": (["runtimes", "--method", "yarn", "--scale", "4", "--original-context", "32",
+                             "--rope-theta", "inf", "--rotary-dim", "16"], "rope_theta must be a finite number > 0"),
+    "zero original context with a model dir": (["runtimes", "--model-dir", "{folder}/base", "--method", "yarn",
+                                                "--scale", "4", "--original-context", "0"],
+                                               "original_max_length must be a positive number of tokens, got 0"),
+    "model fact as a method parameter": (DESCRIBED + ["--rotary-dim", "16", "--param", "rope_theta=5"],
+                                         "--param rope_theta: .* use --rope-theta"),
+    "model fact as a parameter with a model dir": (["runtimes", "--model-dir", "{folder}/base", "--method", "yarn",
+                                                    "--scale", "4", "--param", "rotary_dim=8"],
+                                                   "rotary_dim is the model's own, read from the config in .* without "
+                                                   "--model-dir"),
+    "model type as a method parameter": (DESCRIBED + ["--rotary-dim", "16", "--param", "model_type=qwen2"],
+                                         "use --model-type"),
+    "eval with a text file that is a folder": (["eval", "--model", "{folder}/base", "--text-files",
+                                                "{folder}/not-a-checkpoint", "--methods", "none", "--ppl-lengths",
+                                                "16", "--output-dir", "{folder}/out"],
+                                               "not-a-checkpoint is a folder, not a text file"),
+    "demo against the unpatched model itself": (["demo", "--model", "{folder}/base", "--method", "none",
+                                                 "--text-file", "{folder}/book.txt", "--output-dir",
+                                                 "{folder}/demo-out"], "always runs the unpatched model \\(none\\)"),
+    "eval with a dataset field it does not have": (["eval", "--model", "{folder}/base", "--dataset",
+                                                    "{folder}/dataset", "--dataset-split", "train", "--text-field",
+                                                    "body", "--methods", "none", "--ppl-lengths", "16",
+                                                    "--output-dir", "{folder}/out"],
+                                                   r"has no field 'body'; its fields are \['text'\]. .*--text-field"),
+    "eval on a device torch does not know": (["eval", "--model", "{folder}/base", "--text-file", "{folder}/book.txt",
+                                              "--device", "nonsense", "--methods", "none", "--ppl-lengths", "16",
+                                              "--output-dir", "{folder}/out"],
+                                             "--device nonsense is not a device torch knows; use cpu, cuda"),
     "auto with a scale beyond any context": (["auto", "--model", "{folder}/base", "--text-files", "{folder}/book.txt",
                                               "--scale", "1e308", "--no-cache"], "beyond the 2147483647 positions"),
 }  # fmt: skip
@@ -404,3 +441,84 @@ def test_a_refused_repatch_keeps_the_previous_patch(kwargs):
     assert get_patch_info(model) == info
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+# -- text files and datasets: what the reader is given -------------------------------------------------
+
+
+def test_byte_order_marks_folders_pipes_and_utf16(tmp_path):
+    from hf_rope_ext.data import read_text
+
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes("\ufeffOnce upon a time.".encode("utf-8"))
+    assert read_text(bom) == "Once upon a time."
+    gutenberg = tmp_path / "gutenberg.txt"
+    gutenberg.write_bytes(("\ufeff*** START OF THE PROJECT GUTENBERG EBOOK X ***\nThe book.\n"
+                           "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nLicence.").encode("utf-8"))  # fmt: skip
+    assert read_text(gutenberg) == "The book."
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "folder")
+    for folder in ("folder", "link"):
+        with pytest.raises(IsADirectoryError, match=f"{folder} is a folder, not a text file"):
+            read_text(tmp_path / folder)
+    with pytest.raises(FileNotFoundError, match="Text file not found"):
+        read_text(tmp_path / "missing.txt")
+    if os.path.exists("/dev/null"):
+        with pytest.raises(ValueError, match="is not a regular file"):
+            read_text("/dev/null")
+    utf16 = tmp_path / "utf16.txt"
+    utf16.write_text("A Windows text file. " * 20, encoding="utf-16")  # with its byte-order mark
+    with pytest.raises(ValueError, match="is UTF-16 text .* iconv -f utf-16 -t utf-8"):
+        read_text(utf16)
+    # a named pipe, as `--text-files <(zcat book.gz)` gives: read once, like a file
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=lambda: pipe.write_text("Piped text."))
+    writer.start()
+    assert read_text(pipe) == "Piped text."
+    writer.join()
+
+
+def test_dataset_field_is_checked_when_opened_and_null_rows_are_named(checkpoint, monkeypatch, caplog):
+    pytest.importorskip("datasets")
+    from hf_rope_ext.data import iter_dataset_texts
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = str(checkpoint / "dataset")
+    # refused when called, before a caller loads its model, not at the first text
+    with pytest.raises(ValueError, match=r"has no field 'body'; its fields are \['text'\]"):
+        iter_dataset_texts(folder, split="train", text_field="body")
+    with caplog.at_level(logging.WARNING, logger="hf_rope_ext.data"):
+        texts = list(iter_dataset_texts(folder, split="train"))
+    assert texts == ["w1 " * 50, "", "w2 " * 50]  # the null row stays in place, empty
+    assert "row 1: field 'text' is null" in caplog.text
+
+
+DEMO_STUBS = {
+    "scripts/setup.sh": "echo setup >> \"$(dirname \"$0\")/../calls\"\n",
+    ".venv/bin/hf-rope-ext": "#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" >> \"$(dirname \"$0\")/../../calls\"\n",
+}
+
+
+@pytest.mark.skipif(os.name != "posix", reason="bash script")
+def test_demo_script_takes_a_text_file_relative_to_where_it_is_called(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    (repo / "scripts" / "demo.sh").write_text((Path(__file__).parents[1] / "scripts" / "demo.sh").read_text())
+    for name, text in DEMO_STUBS.items():  # set-up and CLI stubs that record their calls
+        (repo / name).write_text(text)
+        (repo / name).chmod(0o755)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "book.txt").write_text("text")
+    result = subprocess.run(["bash", str(repo / "scripts" / "demo.sh"), "book.txt"], cwd=elsewhere,
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    calls = (repo / "calls").read_text().splitlines()
+    assert calls[0] == "setup" and calls[calls.index("--text-file") + 1] == str(elsewhere / "book.txt")
+    (repo / "calls").unlink()
+    result = subprocess.run(["bash", str(repo / "scripts" / "demo.sh"), "missing.txt"], cwd=elsewhere,
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 2 and f"text file not found: {elsewhere / 'missing.txt'}" in result.stderr
+    assert not (repo / "calls").exists()  # refused before the set-up ran

@@ -30,6 +30,7 @@ from ..arguments import (
     model_label,
 )
 from ..cli import one_line
+from ..data import check_dataset, check_text_file
 from ..patching import DEFAULT_METHOD, DEFAULT_STEPS_PER_DOUBLING
 from .plan import EvalPlan
 from .records import EvaluationError, check_output_dir, parse_steps_per_doubling, read_results
@@ -156,12 +157,16 @@ def _check_environment(args: argparse.Namespace) -> None:
     if args.device_map is not None and args.device is not None:
         raise EvaluationError("Give --device or --device-map, not both.")
     check_attention_backend(args.attn_implementation, device=args.device)
-    check_device(args.device)
+    args.device = check_device(args.device)  # normalised: "CUDA" -> "cuda"
     if args.device_map is not None and importlib.util.find_spec("accelerate") is None:
         raise EvaluationError("--device-map needs the accelerate package: pip install accelerate")
     for path in args.text_file:
-        if not path.is_file():
-            raise EvaluationError(f"Text file not found: {path}. Pass an existing file with --text-files.")
+        try:
+            check_text_file(path)  # a folder, a device: named; a pipe (<(zcat book.gz)) is read once
+        except FileNotFoundError:
+            raise EvaluationError(f"Text file not found: {path}. Pass an existing file with --text-files.") from None
+    if args.dataset:  # its first row, before the model loads: a wrong --text-field, an unreachable dataset
+        check_dataset(args.dataset, args.dataset_split, args.text_field, args.dataset_config)
     if args.num_documents is not None:
         if not args.dataset:
             raise EvaluationError("--num-documents counts texts taken from --dataset; give --dataset, or leave it out.")

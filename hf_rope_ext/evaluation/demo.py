@@ -35,6 +35,11 @@ class DemoSettings:
 def demo_settings(native_context: int, on_gpu: bool, *, method: str = DEFAULT_METHOD, scale: float | None = None,
                   ppl_length: int | None = None, passkey_length: int | None = None) -> DemoSettings:  # fmt: skip
     """Lengths for the hardware: short on CPU (minutes), up to 4x the native context on GPU."""
+    if method == NONE_METHOD:
+        raise EvaluationError(
+            f"The demo always runs the unpatched model ({NONE_METHOD}) as its baseline; choose a method to compare "
+            "with it, e.g. --method yarn (default: the package's default)."
+        )
     if on_gpu:
         settings = DemoSettings(method, scale or 4.0, 4 * native_context, (2 * native_context, 4 * native_context),
                                 (0.1, 0.3, 0.5, 0.7, 0.9), 2)  # fmt: skip
