@@ -57,3 +57,13 @@ def family_info(model_type: str | None) -> FamilyInfo | None:
 
 def tested_families() -> list[str]:
     return [name for name, info in FAMILIES.items() if info.tested]
+
+
+def check_supported(model_type: str | None) -> None:
+    """Refuse a model type known not to work (its note says why); one message for every entry point."""
+    info = family_info(model_type)
+    if info is not None and not info.supported:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported: {info.note}. hf_rope_ext works on RoPE models "
+            f"with a shared rotary module, such as {', '.join(tested_families())}."
+        )

@@ -19,7 +19,7 @@ from torch import nn
 
 from . import compat, config_io
 from .cache_consistency import PrefixRecompute
-from .families import family_info, tested_families
+from .families import check_supported, tested_families
 from .methods import default_inv_freq
 from .rotary import ExtendedRotaryEmbedding
 from .spec import (
@@ -84,12 +84,7 @@ def find_rotary_module(model: nn.Module) -> tuple[str, nn.Module]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_model expects a torch.nn.Module (a transformers model), got {type(model).__name__}.")
     model_type = _model_type(model)
-    info = family_info(model_type)
-    if info is not None and not info.supported:
-        raise ValueError(
-            f"model_type {model_type!r} is not supported: {info.note}. hf_rope_ext works on RoPE models "
-            f"with a shared rotary module, such as {', '.join(tested_families())}."
-        )
+    check_supported(model_type)
     candidates = [
         (name, module)
         for name, module in model.named_modules()

@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from . import compat, config_io
-from .families import family_info, tested_families
+from .families import check_supported
 from .methods import COMMON_PARAMS, LOGN_SUFFIX, RUNTIMES, dynamic_ntk_base, get_method, ntk_base, yarn_mscale
 from .spec import NOT_GIVEN, PatchSpec
 
@@ -169,12 +169,7 @@ def _patch_of(
         return source, None
     config = getattr(source, "config", source) if isinstance(source, nn.Module) else source
     model_type = getattr(config, "model_type", None)
-    info = family_info(model_type)
-    if info is not None and not info.supported:  # patch_model's refusal (find_rotary_module), word for word
-        raise ValueError(
-            f"model_type {model_type!r} is not supported: {info.note}. hf_rope_ext works on RoPE models "
-            f"with a shared rotary module, such as {', '.join(tested_families())}."
-        )
+    check_supported(model_type)  # what patch_model refuses, with its message
     if not hasattr(config, "rope_parameters"):
         raise TypeError(
             "runtime_settings expects a model, a transformers config or describe_patch(...), got "
