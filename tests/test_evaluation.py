@@ -1330,15 +1330,21 @@ def test_options_that_would_be_ignored_are_refused(tmp_path, capsys):
     assert "applies to sliding-window perplexity only" in capsys.readouterr().err
 
 
-def test_lengths_beyond_every_extended_context_are_refused_before_the_model_loads(tiny_checkpoint, tmp_path, capsys):
-    _plan(ppl_lengths=[24, 128]).check_reach(ORIGINAL_CONTEXT)  # 4 x 32: the largest scale reaches it
-    with pytest.raises(EvaluationError, match=r"Length 129 is beyond 128 tokens, the model's native context of 32 "
-                                              r"times the largest scale 4"):  # fmt: skip
-        _plan(ppl_lengths=[24, 129]).check_reach(ORIGINAL_CONTEXT)
+def test_lengths_far_beyond_every_extended_context_are_refused_before_the_model_loads(tiny_checkpoint, tmp_path,
+                                                                                      capsys, caplog):  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="hf_rope_ext.evaluation.plan"):
+        _plan(ppl_lengths=[24, 128]).check_reach(ORIGINAL_CONTEXT)  # 4 x 32: the largest scale reaches it
+        assert caplog.text == ""
+        # past it, the patched models extrapolate: measured (papers plot it), with a warning
+        _plan(ppl_lengths=[24, 8 * 128]).check_reach(ORIGINAL_CONTEXT)
+        assert "Length 1024 is beyond 128 tokens" in caplog.text
+    with pytest.raises(EvaluationError, match=r"Length 1025 is beyond 8 x 128 tokens \(128: the model's native "
+                                              r"context of 32 times the largest scale 4\); a typo\?"):  # fmt: skip
+        _plan(ppl_lengths=[24, 8 * 128 + 1]).check_reach(ORIGINAL_CONTEXT)
     code = cli_main(["eval", "--model", str(tiny_checkpoint), "--device", "cpu", "--methods", "none,yarn", "--scales",
                      "2", "--retrieval-tasks", "passkey", "--retrieval-lengths", "10000000", "--output-dir",
                      str(tmp_path / "out")])  # fmt: skip
-    assert code == 2 and "Length 10000000 is beyond 512 tokens" in capsys.readouterr().err
+    assert code == 2 and "Length 10000000 is beyond 8 x 512 tokens" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -1474,7 +1480,7 @@ def test_compare_configurations_refuses_bad_input_in_one_line(tiny_checkpoint, t
         (["--depths", "0.5,a"], "expected comma-separated numbers"),
         (["--scales", "1"], "Scales must be numbers > 1"),
         (["--ppl-lengths", "128,200"], "within the model's own context of 256 tokens"),
-        (["--ppl-lengths", "1k"], "Length 1024 is beyond 512 tokens"),
+        (["--ppl-lengths", "8k"], "Length 8192 is beyond 8 x 512 tokens"),
         (["--ppl-lengths", "400", "--text-files", "{tmp}/short.txt"], "shorter than the 400 tokens requested"),
         (["--model", "{tmp}/missing"], "missing"),
         (["--output-dir", "{tmp}/afile"], "is a file, not a folder"),

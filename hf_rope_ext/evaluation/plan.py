@@ -3,6 +3,7 @@ before any model is loaded."""
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -13,9 +14,16 @@ from .perplexity import DEFAULT_CHUNK_SIZE
 from .records import NONE_METHOD, EvaluationError
 from .retrieval import TASKS
 
-__all__ = ["EvalPlan", "PPL_MODES"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["EvalPlan", "MAX_REACH", "PPL_MODES"]
 
 PPL_MODES = ("buckets", "sliding")
+
+
+# Lengths up to this many times the largest extended context are measured (extrapolation);
+# longer ones are refused as typos.
+MAX_REACH = 8
 
 
 @dataclass
@@ -169,18 +177,26 @@ class EvalPlan:
                 )
 
     def check_reach(self, native_context: int) -> None:
-        """Refuse lengths beyond the largest extended context (native context x the largest scale),
-        where even the patched models run outside the context they were extended to, and where a
-        typo (10000000) would run out of memory instead of failing here. For the commands that take
-        lists of lengths (``eval``); the demo and library callers may measure beyond it on purpose."""
+        """Lengths beyond the largest extended context (native context x the largest scale) measure
+        how the patched models extrapolate past it, as papers plot: a warning says so. Beyond
+        :data:`MAX_REACH` times that, a length is taken for a typo (10000000), which would run out of
+        memory instead of failing here, and refused. For the commands that take lists of lengths
+        (``eval``); library callers may measure anything."""
         lengths = self.ppl_lengths + self.retrieval_lengths
         if not self.scales or not lengths:
             return
         reach = max(extended_length(native_context, scale) for scale in self.scales)
-        if max(lengths) > reach:
+        longest = max(lengths)
+        if longest > MAX_REACH * reach:
             raise EvaluationError(
-                f"Length {max(lengths)} is beyond {reach} tokens, the model's native context of {native_context} "
-                f"times the largest scale {max(self.scales):g}; use lengths up to {reach}, or a larger --scales."
+                f"Length {longest} is beyond {MAX_REACH} x {reach} tokens ({reach}: the model's native context of "
+                f"{native_context} times the largest scale {max(self.scales):g}); a typo? Use lengths up to "
+                f"{MAX_REACH * reach}, or a larger --scales."
+            )
+        if longest > reach:
+            logger.warning(
+                "Length %d is beyond %d tokens, the model's native context times the largest scale %g: the patched "
+                "models are measured past the context they were extended to.", longest, reach, max(self.scales),
             )
 
     def _check_configurations(self, native_context: int) -> None:
