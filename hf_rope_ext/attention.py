@@ -41,6 +41,7 @@ and removed again by :func:`uninstall`.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import math
 import uuid
@@ -1083,7 +1084,9 @@ class AttentionPatch:
     key_rotations: KeyRotationTables = field(default_factory=KeyRotationTables)
     key_rotations_below_settle: KeyRotationTables = field(default_factory=KeyRotationTables)
     warned_no_weights: bool = False
-    hooks: list = field(default_factory=list)  # the model's forward pre-hook that forgets the geometry
+    hooks: list = field(default_factory=list)  # the model's forward hooks (before_forward, after_forward)
+    # cache -> (tokens it holds, position of each row's last token) after this model's last forward on it
+    cache_ends: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
     def __deepcopy__(self, memo: dict) -> AttentionPatch:
         # A copied model (copy.deepcopy, as TRL makes reference models) needs a patch and registry
@@ -1092,7 +1095,9 @@ class AttentionPatch:
         copied = object.__new__(type(self))
         memo[id(self)] = copied
         for item in fields(self):
-            setattr(copied, item.name, copy.deepcopy(getattr(self, item.name), memo))
+            # the caches the original filled are not the copy's (and a weak dictionary would copy them)
+            value = weakref.WeakKeyDictionary() if item.name == "cache_ends" else getattr(self, item.name)
+            setattr(copied, item.name, copy.deepcopy(value, memo))
         copied.name = _registry_name(self.original_implementation)
         _register(copied)
         if getattr(copied.config, "_attn_implementation", None) == self.name:
@@ -1213,10 +1218,36 @@ class AttentionPatch:
             max_distance=max_distance,
         )
 
-    def forget_geometry(self, *args: Any) -> None:
-        """Forward pre-hook of the model: the geometry recorded by :meth:`mask` belongs to one
-        forward; a forward whose mask function does not run must not read an earlier one's."""
+    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the model.
+
+        The geometry recorded by :meth:`mask` belongs to one forward: a forward whose mask
+        function does not run must not read an earlier one's. And the cached keys are taken to
+        sit at the positions just before the new tokens (see :func:`_key_positions`): a call that
+        continues a cache with positions that jump is refused, not computed with wrong distances.
+        """
         self.geometry.clear()
+        cache, positions = _cache_and_positions(module, args, kwargs)
+        seen = self.cache_ends.get(cache) if cache is not None and positions is not None else None
+        if seen is None or _cached_tokens(cache) != seen[0] or positions.shape[0] != seen[1].shape[0]:
+            return  # nothing recorded, or the cache was cropped or refilled since: nothing to compare
+        expected = seen[1].to(positions.device) + 1
+        if bool((positions[:, 0] != expected).any()):
+            raise ValueError(
+                f"attention-level methods take the {seen[0]} cached tokens to sit just before the new ones, but the new "
+                f"position_ids start at {positions[:, 0].tolist()}, not {expected.tolist()}. Continue a cache with the "
+                "positions that follow it, or run the whole sequence in one forward."
+            )
+
+    def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Forward hook of the model: where the cache it filled ends (tokens, last positions)."""
+        cache, positions = _cache_and_positions(module, args, kwargs)
+        if cache is None:
+            return
+        if positions is None:
+            self.cache_ends.pop(cache, None)  # positions from the cache itself: contiguous, nothing to check
+        else:
+            self.cache_ends[cache] = (_cached_tokens(cache), positions[:, -1].detach().clone())
 
     def mask(self, *args, **kwargs):
         """The mask function registered for this model: the original one, plus the cache geometry."""
@@ -1302,6 +1333,32 @@ def _packed_bounds(position_ids: torch.Tensor, kwargs: Mapping[str, Any], query_
             "inputs without past_key_values, or load the model with attn_implementation='sdpa'."
         )
     return bounds
+
+
+_FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}  # per model class: read once, bound per forward
+
+
+def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, torch.Tensor | None]:
+    """The KV cache and the 2-D position ids of a call to the model (None where not given)."""
+    from . import compat
+
+    signature = _FORWARD_SIGNATURES.get(type(module))
+    if signature is None:
+        signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(module.forward)
+    try:
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return None, None
+    arguments = {**arguments.pop("kwargs", {}), **arguments}
+    _, cache = compat.cache_argument(arguments)
+    positions = arguments.get("position_ids")
+    if not compat.is_cache(cache) or not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+        return (cache if compat.is_cache(cache) else None), None
+    return cache, positions
+
+
+def _cached_tokens(cache: Any) -> int:
+    return int(cache.get_seq_length())
 
 
 def _query_slot_from_mask(attention_mask: torch.Tensor, query_len: int, key_len: int) -> int:
@@ -1398,8 +1455,9 @@ def install(
         remap_below_settle=remap_below_settle,
         inv_freq_below_settle=None if inv_freq_below_settle is None else inv_freq_below_settle.detach().to(torch.float64).cpu(),
     )
-    if model is not None:  # a bound method, so that copy.deepcopy binds the copy's hook to the copy's patch
-        patch.hooks.append(model.register_forward_pre_hook(patch.forget_geometry))
+    if model is not None:  # bound methods, so that copy.deepcopy binds the copy's hooks to the copy's patch
+        patch.hooks.append(model.register_forward_pre_hook(patch.before_forward, with_kwargs=True))
+        patch.hooks.append(model.register_forward_hook(patch.after_forward, with_kwargs=True))
     _register(patch)
     config._attn_implementation = patch.name
     logger.info("Attention of this model routed through %s (was %r).", patch.name, implementation)

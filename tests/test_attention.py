@@ -864,6 +864,27 @@ def test_static_cache_with_a_4d_mask_of_the_callers_own_equals_a_full_forward(me
     torch.testing.assert_close(torch.cat(out, dim=1), full, atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "self-extend-yarn"])
+def test_continuing_a_cache_with_positions_that_jump_is_refused(method):
+    """The cached keys are taken to sit just before the new tokens (their positions are not kept):
+    a continuation whose positions jump would be computed with wrong distances, so it is refused,
+    the cache untouched; the positions that follow give the full forward's logits."""
+    from transformers import DynamicCache
+
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method=method)
+    ids = random_ids(70, seed=2)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), planned_length(model, 70):
+        full = model(ids).logits[:, 60:]
+        model(ids[:, :60], position_ids=torch.arange(60)[None], past_key_values=cache)
+        with pytest.raises(ValueError, match=r"position_ids start at \[70\], not \[60\]"):
+            model(ids[:, 60:], position_ids=torch.arange(70, 80)[None], past_key_values=cache)
+        assert cache.get_seq_length() == 60
+        step = model(ids[:, 60:], position_ids=torch.arange(60, 70)[None], past_key_values=cache).logits
+    torch.testing.assert_close(step, full, atol=5e-5, rtol=1e-4)
+
+
 def test_packed_sequences_with_other_key_boundaries_are_refused():
     model = _as_flash_attention(make_model("llama", attn_implementation="sdpa"))
     patch_model(model, scale=4, method="self-extend")
