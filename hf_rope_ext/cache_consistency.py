@@ -49,6 +49,7 @@ from transformers import GenerationMixin
 from . import compat
 from .cache_log import CacheLogs, InputLog
 from .rotary import ExtendedRotaryEmbedding
+from .validation import check_context, check_length
 
 logger = logging.getLogger(__name__)
 
@@ -390,8 +391,11 @@ def planned_length(model: nn.Module, length: int) -> Iterator[nn.Module]:
 
     Static methods have no length-dependent frequencies: the context changes nothing for them.
     """
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise ValueError(f"planned_length needs a positive number of tokens, got {length!r}.")
+    try:
+        length = check_length(length, "planned_length's length")  # numpy and whole float lengths too
+    except TypeError as error:
+        raise ValueError(str(error)) from None
+    check_context(length, "planned_length's length")
     if not any(isinstance(module, ExtendedRotaryEmbedding) for module in model.modules()):
         raise ValueError(f"{type(model).__name__} is not patched by hf_rope_ext; planned_length applies to patched models.")
     with contextlib.ExitStack() as stack:

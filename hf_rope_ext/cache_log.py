@@ -10,6 +10,7 @@ hold only weak references, and ``copy.deepcopy(cache)``, whose copy gets the sam
 from __future__ import annotations
 
 import copy
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,6 +137,15 @@ _ROW_OPERATIONS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
+def _class_method(cache: Any, name: str) -> Any:
+    """The method ``name`` of the cache's class, bound to the (unpickled) cache."""
+    return types.MethodType(getattr(type(cache), name), cache)
+
+
 class _RowOperation:
     """Stands in for one batch operation of one cache instance (the class is untouched): runs
     it, then moves the rows of the cache's logs the same way.
@@ -159,6 +169,13 @@ class _RowOperation:
         for logs in list(self.logs):
             logs._follow_rows(cache, lambda tensor: operation(tensor, *args, **kwargs))
         return result
+
+    def __reduce__(self) -> tuple:
+        # Pickling the cache (torch.save of a prefilled prompt): the logs belong to this process and
+        # are not saved, so the loaded cache gets its own method back, as an unpatched model's has.
+        if self.before is not None:
+            return _same, (self.before,)
+        return _class_method, (self.cache(), self.name)
 
     def __deepcopy__(self, memo: dict) -> Any:
         # `copy.deepcopy(cache)` (transformers' recipe to reuse a prefilled prompt): the copy is

@@ -451,6 +451,7 @@ def patched(model: nn.Module, scale: float | None = None, method: str = DEFAULT_
     try:
         yield model
     finally:
-        unpatch_model(model)
+        if get_patch_info(model) is not None:  # unpatched inside: an error here would hide the block's own
+            unpatch_model(model)
         if previous is not None:
             previous.apply(model)

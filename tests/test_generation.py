@@ -463,10 +463,22 @@ def test_planned_length_refuses_bad_input():
         with planned_length(model, 100):
             pass
     patch_model(model, scale=4, method="dynamic")
-    for bad in (0, -5, 2.5, "100", True):
-        with pytest.raises(ValueError, match="positive number of tokens"):
+    for bad in (0, -5, 2.5, "100", True, torch.tensor(100)):
+        with pytest.raises(ValueError, match="positive (integer )?number of tokens"):
             with planned_length(model, bad):
                 pass
+    with pytest.raises(ValueError, match="gives a context of about 10\\^400 tokens"):
+        with planned_length(model, 10**400):
+            pass
+    import numpy as np
+
+    ids = random_ids(L0 + 8)
+    with torch.no_grad():
+        with planned_length(model, 3 * L0):
+            expected = model(ids).logits
+        for same in (np.int64(3 * L0), float(3 * L0)):  # the lengths patch_model's max_length takes
+            with planned_length(model, same):
+                assert torch.equal(model(ids).logits, expected)
 
 
 def test_generate_wrapper_is_per_instance_and_removed_by_unpatch():
@@ -763,3 +775,26 @@ def test_generate_without_a_length_reads_a_prompt_beyond_the_original_context(me
     with pytest.raises(ValueError):
         model.generate(prompt, max_new_tokens=-1)
     assert model.config.max_position_embeddings == L0
+
+
+def test_a_cache_filled_under_a_length_dependent_patch_can_be_saved_with_torch_save(tmp_path):
+    """torch.save of a prefilled cache (to reuse a prompt later): the row logs the patch keeps for
+    the cache are this process's and are left out; the loaded cache is a plain one, whose rows
+    reorder as the class's own method does, and the patch refuses to continue it (it cannot tell
+    which frequencies its states carry) instead of reading them wrongly."""
+    import io
+
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    out = model.generate(random_ids(L0 - 4, batch=2), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True)  # fmt: skip
+    buffer = io.BytesIO()
+    torch.save(out.past_key_values, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.get_seq_length() == out.past_key_values.get_seq_length() == L0 + 7  # the last token is not cached
+    keys = loaded.layers[0].keys.clone()
+    loaded.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(loaded.layers[0].keys, keys[[1, 0]])
+    with pytest.raises(RuntimeError, match="not written under the current 'dynamic-yarn' patch"):
+        model(out.sequences[:, -1:], past_key_values=loaded)

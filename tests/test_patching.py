@@ -612,3 +612,14 @@ def test_a_deleted_patched_model_is_freed_with_its_registry_entries():
     gc.collect()
     assert alive() is None
     assert (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping)) == before
+
+
+def test_patched_does_not_hide_the_blocks_own_error_when_the_block_unpatched():
+    model = make_model("llama")
+    patch_model(model, scale=2, method="ntk")
+    info = get_patch_info(model)
+    with pytest.raises(KeyError, match="the block's own"):
+        with patched(model, 4, "yarn"):
+            unpatch_model(model)
+            raise KeyError("the block's own")
+    assert get_patch_info(model) == info  # the patch from before the block is back
