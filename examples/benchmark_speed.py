@@ -36,8 +36,8 @@ from __future__ import annotations
 import argparse
 import copy
 import inspect
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -56,20 +56,25 @@ from hf_rope_ext.arguments import (
     argument_parser,
 )
 from hf_rope_ext.auto import check_configurations, parse_configuration
+from hf_rope_ext.cli import one_line
 from hf_rope_ext.compat import cache_argument_name, output_cache
+from hf_rope_ext.evaluation.cli import name_list
+from hf_rope_ext.evaluation.records import check_output_dir
+from hf_rope_ext.files import atomic_write_json
 from hf_rope_ext.loading import load_model, resolve_model_path
 from hf_rope_ext.methods import get_method
+from hf_rope_ext.validation import check_scale
 
 STATIC_METHODS = ("linear", "ntk", "yarn", "llama3")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argument_parser(__doc__.split("\n\n")[0])
     add_model_argument(parser)
     add_output_dir_argument(parser, help="speed.json goes here")
     add_option(parser, "--forward-tokens", type=int, default=4096)
     add_option(parser, "--forward-repeats", type=int, default=5)
-    add_option(parser, "--forward-methods", default=",".join(STATIC_METHODS),
+    add_option(parser, "--forward-methods", type=name_list, default=",".join(STATIC_METHODS),
                help="comma-separated methods for the forward benchmark, e.g. self-extend,dual-chunk "
                     "(attention-level methods need --forward-tokens beyond the native context to matter)")
     add_option(parser, "--forward-scale", type=float, default=4.0, help="scale of the forward benchmark's patches")
@@ -94,11 +99,30 @@ def parse_args() -> argparse.Namespace:
     add_option(parser, "--seed", type=int, default=0)
     add_option(parser, "--skip-forward", action="store_true")
     add_option(parser, "--skip-decode", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.decode_step_methods = [m.strip() for m in args.decode_step_methods.split(";") if m.strip()]
     if args.decode_step_repeats < 1 or args.decode_step_tokens < 1:
         parser.error("--decode-step-repeats and --decode-step-tokens must be at least 1, got "
                      f"{args.decode_step_repeats} and {args.decode_step_tokens}")
+    # Checked here, not after the model loaded: min() of no rounds fails only at the end of a benchmark.
+    for name in ("forward_tokens", "forward_repeats", "decode_repeats", "decode_new_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("original_context", "steps_per_doubling"):  # None: the model's own, the package default
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for option, scale in (("--scale", args.scale), ("--forward-scale", args.forward_scale)):
+        try:
+            check_scale(scale, option)
+        except ValueError as error:
+            parser.error(str(error))
+    if not args.skip_forward and not args.forward_methods:
+        parser.error("--forward-methods names no method; give e.g. yarn,ntk, or --skip-forward")
+    for method in args.forward_methods:
+        try:
+            get_method(method)
+        except ValueError as error:
+            parser.error(f"--forward-methods: {error}")
     for configuration in args.decode_step_methods:  # checked before the model loads
         try:
             method, params = parse_configuration(configuration)
@@ -228,7 +252,7 @@ def decode_benchmark(args, model, tokenizer_vocab: int, device, progress_file: P
                            f"hf_rope_ext {our_seconds:.2f} s, ratio {our_seconds / their_seconds:.3f}, "
                            f"prefix recomputations {row['recomputations']}")
                 if progress_file is not None:
-                    progress_file.write_text(json.dumps(results, indent=2))
+                    atomic_write_json(progress_file, results)
     finally:
         unpatch_model(model)
         del theirs
@@ -275,11 +299,29 @@ def decode_step_benchmark(model, ids, methods, scale: float, repeats: int) -> di
             for name, values in times.items()}
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, OSError, ImportError) as error:  # bad input: one line and exit 2, as hf-rope-ext's commands
+        print(f"error: {one_line(error)}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    # The folder first: created only at the end, a path under a file would lose the whole benchmark.
+    check_output_dir(args.output_dir)
+    try:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(f"Cannot create --output-dir {args.output_dir}: {error.strerror or error}. Pass a folder that "
+                      "can be created.") from None
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
                                   attn_implementation=args.attn_implementation)
+    # Parameters that only the model can check (its attention implementation, its rotary size), before the forwards.
+    if not args.skip_forward:
+        check_configurations(model, args.forward_methods, args.forward_scale)
     device = next(model.parameters()).device
     report = {"model": resolve_model_path(args.model), "device": str(device), "dtype": str(model.dtype),
               "torch_threads": torch.get_num_threads()}
@@ -287,7 +329,7 @@ def main() -> None:
         ids = torch.randint(100, len(tokenizer) - 1, (1, args.forward_tokens),
                             generator=torch.Generator().manual_seed(args.seed)).to(device)
         report["forward"] = {"tokens": args.forward_tokens, **forward_benchmark(
-            model, ids, args.forward_repeats, [m for m in args.forward_methods.split(",") if m], args.forward_scale)}
+            model, ids, args.forward_repeats, args.forward_methods, args.forward_scale)}
         print(f"Forward pass, {args.forward_tokens} tokens, best of {args.forward_repeats} (median):")
         for name, row in report["forward"].items():
             if isinstance(row, dict):
@@ -307,7 +349,6 @@ def main() -> None:
                 print(f"  {name:<12} {row['min_s'] * 1000:9.1f} ms ({row['median_s'] * 1000:.1f})   "
                       f"patched/unpatched {row['ratio']:.2f}")
     if not args.skip_decode:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
         report["decode"] = decode_benchmark(args, model, len(tokenizer), device, args.output_dir / "decode_rounds.json")
         d = report["decode"]
         print(f"Total generate time, original context {d['original_context']}, hf_rope_ext dynamic "
@@ -318,9 +359,9 @@ def main() -> None:
                   f"{row['paired_ratio']:.3f}   per round "
                   + ", ".join(f"{r:.3f}" for r in row["ratio_per_round"])
                   + f"   prefix recomputations {row['recomputations']}")
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "speed.json").write_text(json.dumps(report, indent=2))
+    atomic_write_json(args.output_dir / "speed.json", report)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

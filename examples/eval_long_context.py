@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from hf_rope_ext.arguments import (
     add_attn_implementation_argument,
@@ -31,15 +32,21 @@ from hf_rope_ext.arguments import (
     argument_parser,
     model_label,
 )
+from hf_rope_ext.cli import one_line
+from hf_rope_ext.data import check_text_file
 from hf_rope_ext.evaluation import EvalPlan, run_evaluation
+from hf_rope_ext.evaluation.cli import float_list, int_list, name_list
 from hf_rope_ext.evaluation.documents import documents_from_files
-from hf_rope_ext.evaluation.records import parse_steps_per_doubling
+from hf_rope_ext.evaluation.records import EXACT_STEPS, EvaluationError, check_output_dir, parse_steps_per_doubling
 from hf_rope_ext.loading import load_model
 from hf_rope_ext.patching import DEFAULT_STEPS_PER_DOUBLING
 
 
-def _split(text: str, kind=str) -> list:
-    return [kind(item) for item in text.split(",") if item.strip()]
+def _steps(text: str) -> int | None:
+    try:
+        return parse_steps_per_doubling(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,48 +55,73 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_text_files_argument(parser, required=True, help="long text document(s) for perplexity")
     add_output_dir_argument(parser, help="results.jsonl, reports and plots go here")
     add_model_argument(parser)
-    add_option(parser, "--methods", default="none,yarn,dynamic-yarn", help="comma-separated; none = unpatched")
-    add_option(parser, "--scales", default="2", help="comma-separated scales")
-    add_option(parser, "--ppl-lengths", default="4096,9216", help="comma-separated context lengths")
-    add_option(parser, "--ppl-modes", default="buckets", help="buckets and/or sliding")
+    # The parsers of hf-rope-ext eval: bad values fail as usage errors, and 4k means 4096 here too.
+    add_option(parser, "--methods", type=name_list, default="none,yarn,dynamic-yarn",
+               help="comma-separated; none = unpatched")
+    add_option(parser, "--scales", type=float_list, default="2", help="comma-separated scales")
+    add_option(parser, "--ppl-lengths", type=int_list, default="4096,9216",
+               help="comma-separated context lengths, e.g. 4096,9216 or 4k,9k")
+    add_option(parser, "--ppl-modes", type=name_list, default="buckets", help="buckets and/or sliding")
     add_option(parser, "--stride", type=int, default=256, help="sliding-window stride")
-    add_option(parser, "--retrieval-tasks", default="passkey", help="passkey and/or needle, or empty")
-    add_option(parser, "--retrieval-lengths", default="9216", help="comma-separated total lengths")
-    add_option(parser, "--depths", default="0.1,0.5,0.9", help="key depths")
+    add_option(parser, "--retrieval-tasks", type=name_list, default="passkey", help="passkey and/or needle, or empty")
+    add_option(parser, "--retrieval-lengths", type=int_list, default="9216", help="comma-separated total lengths")
+    add_option(parser, "--depths", type=float_list, default="0.1,0.5,0.9", help="key depths")
     add_option(parser, "--trials", type=int, default=1, help="prompts per length and depth")
     add_option(parser, "--seed", type=int, default=0, help="seed of the random keys")
-    add_option(parser, "--steps-per-doubling", default=str(DEFAULT_STEPS_PER_DOUBLING),
-               help="frequency steps of length-dependent methods, or 'exact'")
+    # A string default goes through the type, so None (exact lengths) must be spelled as the option takes it.
+    default_steps = EXACT_STEPS if DEFAULT_STEPS_PER_DOUBLING is None else str(DEFAULT_STEPS_PER_DOUBLING)
+    add_option(parser, "--steps-per-doubling", type=_steps, default=default_steps,
+               help=f"frequency steps of length-dependent methods, or 'exact' (default {default_steps})")
     add_device_arguments(parser)
     add_dtype_argument(parser)
     add_attn_implementation_argument(parser, choices=("sdpa", "eager", "flash_attention_2"))
     return parser.parse_args(argv)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = parse_args()
+    args = parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, OSError, ImportError) as error:  # bad input: one line and exit 2, as hf-rope-ext eval
+        print(f"error: {one_line(error)}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     plan = EvalPlan(
-        methods=_split(args.methods),
-        scales=_split(args.scales, float),
-        ppl_lengths=_split(args.ppl_lengths, int),
-        ppl_modes=_split(args.ppl_modes),
+        methods=args.methods,
+        scales=args.scales,
+        ppl_lengths=args.ppl_lengths,
+        ppl_modes=args.ppl_modes,
         stride=args.stride,
-        retrieval_tasks=_split(args.retrieval_tasks),
-        retrieval_lengths=_split(args.retrieval_lengths, int),
-        depths=_split(args.depths, float),
+        retrieval_tasks=args.retrieval_tasks,
+        retrieval_lengths=args.retrieval_lengths,
+        depths=args.depths,
         trials=args.trials,
         seed=args.seed,
-        steps_per_doubling=parse_steps_per_doubling(args.steps_per_doubling),
+        steps_per_doubling=args.steps_per_doubling,
     )
     plan.validate(None)  # fail on bad input before loading the model
+    for path in args.text_files:
+        try:
+            check_text_file(path)
+        except FileNotFoundError:
+            raise EvaluationError(f"Text file not found: {path}. Pass an existing file with --text-files.") from None
+    check_output_dir(args.output_dir)
+    try:  # now, not at the first result: a path under a file would fail only after the model loaded
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(f"Cannot create --output-dir {args.output_dir}: {error.strerror or error}. Pass a folder that "
+                      "can be created.") from None
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
                                   attn_implementation=args.attn_implementation)  # fmt: skip
     documents = documents_from_files(tokenizer, args.text_files)
     run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=model_label(args.model),
                    dtype=args.dtype)  # fmt: skip
     print((args.output_dir / "results.md").read_text(encoding="utf-8"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -468,6 +468,10 @@ def _auto_command(args) -> int:
         print(json.dumps(asdict(choice), indent=2))
     else:
         params = "".join(f", {key}={value!r}" for key, value in sorted(choice.params.items()))
+        # The target exactly as measured: :g keeps 6 digits (scale=102400 for 3276799 tokens over 32).
+        short = f"{choice.scale:g}"
+        target = (f"max_length={args.max_length}" if args.max_length is not None
+                  else f"scale={short if float(short) == choice.scale else repr(choice.scale)}")  # fmt: skip
         print(choice.table())
-        print(f"\nbest: {choice.chosen}\n  patch_model(model, scale={choice.scale:g}, method={choice.method!r}{params})")
+        print(f"\nbest: {choice.chosen}\n  patch_model(model, {target}, method={choice.method!r}{params})")
     return 0

@@ -34,6 +34,8 @@ from .config_io import RecordedPatch
 from .evaluation.records import RESULTS_FILE, read_records, recorded_steps
 from .evaluation.summary import format_accuracy, format_ppl, format_scale, format_tokens, method_label, retrieval_rows
 from .files import atomic_path, atomic_write_text
+from .spec import method_spec
+from .validation import is_real
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,14 @@ def load_eval_results(eval_dir: str | os.PathLike) -> tuple[list[dict[str, Any]]
         raise FileNotFoundError(
             f"No {RESULTS_FILE} in {folder}; point --eval-dir at the evaluation tool's output folder."
         )
-    return read_records(path), sorted(folder.glob("*.png"))
+    plots, skipped = [], []
+    for plot in sorted(folder.glob("*.png")):
+        # A folder or a broken link named *.png would fail the copy, after the card's folder was made.
+        (plots if plot.is_file() and os.access(plot, os.R_OK) else skipped).append(plot)
+    if skipped:
+        logger.warning("Leaving out of the card what is not a readable image file in %s: %s.", folder,
+                       ", ".join(plot.name for plot in skipped))
+    return read_records(path), plots
 
 
 def load_training_summary(path: str | os.PathLike) -> dict[str, Any]:
@@ -76,7 +85,24 @@ def load_training_summary(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}).") from None
     if not isinstance(summary, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(summary).__name__}.")
+    _check_training_summary(summary, path)
     return summary
+
+
+def _check_training_summary(summary: Mapping[str, Any], source: Any) -> None:
+    """Refuse a JSON object that is not a fine-tuning run's summary (a config.json, ``{}``): the card
+    would call the checkpoint fine-tuned and list its keys as training details."""
+    where = f"{source} " if isinstance(source, (str, os.PathLike)) else ""
+    rope_patch = summary.get("rope_patch")
+    if rope_patch is not None and not isinstance(rope_patch, Mapping):
+        raise ValueError(f"The training summary {where}has a rope_patch that is not an object ({rope_patch!r}); pass "
+                         "the training_summary.json that hf-rope-ext's fine-tuning wrote.")  # fmt: skip
+    if rope_patch is None and not (isinstance(summary.get("method"), str) and is_real(summary.get("scale"))):
+        raise ValueError(
+            f"The training summary {where}is not one: it has no method (a name) and scale (a number), nor a rope_patch "
+            "record, which every training_summary.json of hf-rope-ext's fine-tuning has. Pass that file, or leave out "
+            "--training-summary for a training-free checkpoint."
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,6 +120,11 @@ def _number(value: Any, digits: int = 2) -> str:
             return str(value)
         return f"{value:.{digits}f}"
     return str(value)
+
+
+def _cell(text: Any) -> str:
+    """Text for a markdown table cell: a ``|`` would end the cell, a line break the row."""
+    return " ".join(str(text).split()).replace("|", "\\|")
 
 
 def _value(value: Any) -> str:
@@ -136,15 +167,15 @@ def _perplexity_tables(records: list[dict[str, Any]]) -> tuple[list[dict], list[
             logger.warning("Skipping a perplexity result without ppl or buckets: %s", record)
             continue
         common = {
-            "method": _method_of(record),
-            "scale": format_scale(record.get("scale"), _MISSING),
-            "document": record.get("document", _MISSING),
-            "context": _number(record.get("context_length")),
+            "method": _cell(_method_of(record)),
+            "scale": _cell(format_scale(record.get("scale"), _MISSING)),
+            "document": _cell(record.get("document", _MISSING)),
+            "context": _cell(_number(record.get("context_length"))),
         }
         if record.get("ppl") is not None:
             rows.append({
                 **common,
-                "mode": record.get("mode", _MISSING),
+                "mode": _cell(record.get("mode", _MISSING)),
                 "stride": _number(record.get("stride")),
                 "ppl": format_ppl(record["ppl"], _MISSING),
                 "_sort": (str(common["method"]), float(record.get("scale") or 0), record.get("context_length") or 0),
@@ -176,8 +207,8 @@ def _retrieval_table(records: list[dict[str, Any]]) -> list[dict]:
             continue
         method = _method_of(row)
         rows.append({
-            "task": row["task"] if row["task"] is not None else _MISSING,
-            "method": method,
+            "task": _cell(row["task"] if row["task"] is not None else _MISSING),
+            "method": _cell(method),
             "scale": format_scale(row["scale"], _MISSING),
             "length": _number(row["length"]),
             "depths": ", ".join(row["by_depth"]) or _MISSING,
@@ -280,16 +311,16 @@ def _training_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
     for key, label in _TRAINING_LABELS.items():
         if key in summary and shown(summary[key]):
             value = summary[key]
-            rows.append((label, _number(value, 4) if key == "final_loss" else _value(value)))
+            rows.append((label, _cell(_number(value, 4) if key == "final_loss" else _value(value))))
     losses = summary.get("losses")
     if isinstance(losses, list) and len(losses) > 1 and all(isinstance(x, (int, float)) for x in losses):
         rows.append(("Loss, first → last step", f"{losses[0]:.4f} → {losses[-1]:.4f}"))
     lora = summary.get("lora")
     if isinstance(lora, Mapping):
-        rows += [(label, _value(lora[key])) for key, label in _LORA_LABELS.items() if shown(lora.get(key))]
+        rows += [(label, _cell(_value(lora[key]))) for key, label in _LORA_LABELS.items() if shown(lora.get(key))]
     for key, value in summary.items():  # fields newer runs record
         if key not in _TRAINING_LABELS and key not in _TRAINING_SKIPPED and key != "lora" and shown(value):
-            rows.append((key.replace("_", " ").capitalize(), _value(value)))
+            rows.append((_cell(key.replace("_", " ").capitalize()), _cell(_value(value))))
     return rows
 
 
@@ -333,15 +364,17 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
     result of this checkpoint: of a model patched the same way (method, scale, frequency steps),
     or of this checkpoint folder itself evaluated unpatched (``--methods none``).
     """
-    here = _patch_label(patch.method, patch.scale)
+    here = _patch_label(patch.label, patch.scale)
     if summary is not None:
         recorded = summary.get("rope_patch") if isinstance(summary.get("rope_patch"), Mapping) else {}
         trained = {
-            "method": recorded.get("method", summary.get("method")),
+            # the run's method as patch_model took it: "yarn+logn" when log-n attention was on
+            "method": method_spec(recorded["method"], recorded.get("logn_attention") is True)
+            if isinstance(recorded.get("method"), str) else summary.get("method"),
             "scale": recorded.get("scale", summary.get("scale")),
             "original context": recorded.get("original_max_position_embeddings", summary.get("original_context")),
         }
-        expected = {"method": patch.method, "scale": patch.scale,
+        expected = {"method": patch.label, "scale": patch.scale,
                     "original context": patch.original_max_position_embeddings}  # fmt: skip
         if isinstance(recorded.get("params"), Mapping):
             trained["parameters"] = {key: recorded["params"].get(key) for key in patch.params}
@@ -351,6 +384,9 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
             for key in expected
             if trained[key] is not None and not _equal(trained[key], expected[key])
         ]
+        target = summary.get("target_length")
+        if target is not None and (not is_real(target) or target > patch.extended_context):
+            wrong.append(f"target_length {target!r} (checkpoint: extended context {patch.extended_context})")
         if wrong:
             raise ValueError(
                 f"The training summary {summary_path if isinstance(summary_path, (str, os.PathLike)) else ''} is of "
@@ -374,6 +410,21 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
                 f"--model {folder or 'CHECKPOINT'} --methods none) or of its patch on the base model (--methods "
                 f"{patch.method} --scales {patch.scale:g})."
             )
+
+
+def _check_same_base_model(given: Any, trained: Any, summary_path: Any) -> None:
+    """Refuse a --base-model other than the Hub id the training run names (a folder there cannot be compared)."""
+    from .arguments import model_label
+
+    if not isinstance(given, str) or not isinstance(trained, str):
+        return
+    trained = model_label(trained)
+    if _HUB_ID.match(trained) and not Path(trained).exists() and model_label(given) != trained:
+        where = f"{summary_path} " if isinstance(summary_path, (str, os.PathLike)) else ""
+        raise ValueError(
+            f"The training summary {where}was trained from {trained!r}, not the base model {given!r} given; pass "
+            f"--base-model {trained} (or leave it out to take the summary's), or the summary of this model's run."
+        )
 
 
 def _as_recorded(value: Any) -> Any:
@@ -417,6 +468,7 @@ def render_model_card(
     The card references the plots by file name; :func:`write_model_card` (or
     :func:`hf_rope_ext.hub.save_patched` with ``card_assets=plots``) puts them next to it.
     """
+    import jinja2
     from huggingface_hub import ModelCard, ModelCardData
 
     from . import __version__, get_method, list_methods
@@ -432,7 +484,14 @@ def render_model_card(
     summary = load_training_summary(training_summary) if isinstance(training_summary, (str, os.PathLike)) else (
         dict(training_summary) if training_summary is not None else None
     )
+    if summary is not None:
+        _check_training_summary(summary, training_summary)
+        _check_same_base_model(base_model, summary.get("base_model"), training_summary)
     base_model = _hub_base_model(base_model or (summary or {}).get("base_model"))
+    if repo_id is not None and (not isinstance(repo_id, str) or not _HUB_ID.match(repo_id)):
+        # It goes into the card's title and loading instructions.
+        raise ValueError(f"repo_id must be a Hub repo id like 'me/SmolLM2-yarn-x4', got {repo_id!r}; pass --repo-id "
+                         "OWNER/NAME, or leave it out.")  # fmt: skip
     records, plots = load_eval_results(eval_dir) if eval_dir is not None else ([], [])
     template = Path(template_path) if template_path is not None else DEFAULT_TEMPLATE
     if not template.is_file():
@@ -443,7 +502,12 @@ def render_model_card(
 
     _check_inputs_belong(patch, config, summary, records, eval_dir, training_summary)
     method = patch.rope_method
-    name = repo_id.split("/")[-1] if repo_id else f"{base_model.split('/')[-1]}-{method.name}-x{patch.scale:g}"
+    logn = patch.logn_attention
+    name = repo_id.split("/")[-1] if repo_id else (
+        f"{base_model.split('/')[-1]}-{method.name}{'-logn' if logn else ''}-x{patch.scale:g}")
+    # What config.json cannot express to transformers: from_pretrained rebuilds the frequencies only.
+    attention_changes = ([f"`{method.name}` attention"] if method.attention is not None else []) + (
+        ["log-n attention"] if logn else [])
     settings = runtime_settings(config)
     eval_results = _eval_results(records, patch)
     card_data = ModelCardData(
@@ -451,7 +515,8 @@ def render_model_card(
         library_name="transformers",
         pipeline_tag="text-generation",
         license=license,
-        tags=["hf-rope-ext", "long-context", "rope-scaling", f"rope-{method.name}"],
+        tags=["hf-rope-ext", "long-context", "rope-scaling", f"rope-{method.name}"]
+        + (["logn-attention"] if logn else []),
         model_name=name if eval_results else None,
         eval_results=eval_results or None,
     )
@@ -470,56 +535,79 @@ def render_model_card(
             "transformers recomputes the frequencies as the input grows but keeps earlier keys in the KV cache "
             "unchanged, so generation beyond the original context can drift from a full forward pass."
         )
-    return ModelCard.from_template(
-        card_data,
-        template_path=str(template),
-        model_name=name,
-        repo_id=repo_id or "path/to/this/checkpoint",
-        base_model=base_model,
-        method=method.name,
-        method_summary=list_methods().get(method.name, ""),
-        scale=f"{patch.scale:g}",
-        original_context=patch.original_max_position_embeddings,
-        extended_context=patch.extended_context,
-        rope_theta=f"{patch.original_rope_theta:g}",
-        method_params=[(key, _value(value)) for key, value in patch.params.items() if key in defaults],
-        steps_per_doubling=patch.steps_per_doubling if method.length_dependent else None,
-        fine_tuned=summary is not None,
-        native=native,
-        native_rope_type=method.transformers_rope_type,
-        custom_rope_type=config_io.custom_rope_type(method),
-        plain_transformers_note=plain_note,
-        vllm=settings.vllm,
-        llama_cpp=settings.llama_cpp,
-        llama_cpp_metadata=[
-            (key, _value(value)) for key, value in settings.llama_cpp.settings.get("gguf_metadata", {}).items()
-        ],
-        perplexity_rows=perplexity_rows,
-        bucket_header=bucket_header,
-        bucket_rows=bucket_rows,
-        retrieval_rows=_retrieval_table(records),
-        plots=[plot.name for plot in plots],
-        training_rows=_training_rows({**summary, "base_model": base_model}) if summary else [],
-        version=__version__,
-    ), plots
+    try:
+        card = ModelCard.from_template(
+            card_data,
+            template_path=str(template),
+            model_name=name,
+            repo_id=repo_id or "path/to/this/checkpoint",
+            base_model=base_model,
+            method=method.name,
+            method_summary=_cell(list_methods().get(method.name, "")),
+            logn_attention=logn,
+            attention_change=" and ".join(attention_changes) or None,
+            scale=f"{patch.scale:g}",
+            original_context=patch.original_max_position_embeddings,
+            extended_context=patch.extended_context,
+            rope_theta=f"{patch.original_rope_theta:g}",
+            method_params=[(key, _cell(_value(value))) for key, value in patch.params.items() if key in defaults],
+            steps_per_doubling=patch.steps_per_doubling if method.length_dependent else None,
+            fine_tuned=summary is not None,
+            native=native,
+            native_rope_type=method.transformers_rope_type,
+            custom_rope_type=config_io.custom_rope_type(method),
+            plain_transformers_note=plain_note,
+            vllm=settings.vllm,
+            llama_cpp=settings.llama_cpp,
+            llama_cpp_metadata=[(key, _cell(_value(value)))
+                                for key, value in settings.llama_cpp.settings.get("gguf_metadata", {}).items()],
+            perplexity_rows=perplexity_rows,
+            bucket_header=bucket_header,
+            bucket_rows=bucket_rows,
+            retrieval_rows=_retrieval_table(records),
+            plots=[plot.name for plot in plots],
+            training_rows=_training_rows({**summary, "base_model": base_model}) if summary else [],
+            version=__version__,
+        )
+    except jinja2.TemplateError as error:
+        line = f", line {error.lineno}" if getattr(error, "lineno", None) else ""
+        raise ValueError(f"Model card template {template}{line}: {error.message or error}. Fix the template, or leave "
+                         "out template_path (--template) for the one shipped with hf_rope_ext.") from None
+    return card, plots
 
 
 def write_model_card(card: Any, output: str | os.PathLike, plots: Iterable[str | os.PathLike] = ()) -> Path:
     """Write ``card`` to ``output`` and copy the plots it references next to it.
 
     Each file is written to a temporary name and renamed into place, so an interrupted run
-    leaves no half-written card or image.
+    leaves no half-written card or image; if writing fails, the plots copied and the folders
+    made by this call are removed again.
     """
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    for plot in map(Path, plots):
-        destination = output.parent / plot.name
-        if destination.resolve() == plot.resolve():
-            continue
-        with atomic_path(destination) as temporary:
-            shutil.copyfile(plot, temporary)
-    text = str(card) if str(card).endswith("\n") else f"{card}\n"
-    atomic_write_text(output, text)
+    made = [folder for folder in (output.parent, *output.parent.parents) if not folder.exists()]
+    copied = []
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        for plot in map(Path, plots):
+            destination = output.parent / plot.name
+            if destination.resolve() == plot.resolve():
+                continue
+            new = not destination.exists()
+            with atomic_path(destination) as temporary:
+                shutil.copyfile(plot, temporary)
+            if new:
+                copied.append(destination)
+        text = str(card) if str(card).endswith("\n") else f"{card}\n"
+        atomic_write_text(output, text)
+    except BaseException:
+        for path in copied:
+            path.unlink(missing_ok=True)
+        for folder in made:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        raise
     return output
 
 
@@ -549,10 +637,32 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(handler=_card_command)
 
 
+# A checkpoint's own files: a card written over one of them destroys the checkpoint.
+_CHECKPOINT_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                     "chat_template.jinja", "adapter_config.json"}  # fmt: skip
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt"}
+
+
+def _check_not_a_checkpoint_file(destination: Path, model_dir: Path) -> None:
+    """Refuse an ``--output`` that is one of the checkpoint's files (any file there but a markdown one)."""
+    target = destination.resolve()
+    if target.parent != model_dir.resolve():
+        return
+    own = target.name in _CHECKPOINT_FILES or target.name.endswith(".index.json")
+    if own or target.suffix.lower() in _WEIGHT_SUFFIXES or (target.exists() and target.suffix.lower() != ".md"):
+        raise ValueError(
+            f"--output {destination} is the checkpoint's own {target.name}; writing the card over it would destroy the "
+            f"checkpoint. Leave out --output (the card goes to {model_dir / 'README.md'}) or pass a .md file."
+        )
+
+
 def _card_command(args: argparse.Namespace) -> int:
     from .hub import read_checked_config
 
     config = read_checked_config(args.model_dir)
+    destination = Path(args.output or Path(args.model_dir) / "README.md")
+    _check_not_a_checkpoint_file(destination, Path(args.model_dir))
     card, plots = render_model_card(
         config,
         base_model=args.base_model,
@@ -562,7 +672,6 @@ def _card_command(args: argparse.Namespace) -> int:
         license=args.license,
         template_path=args.template,
     )
-    destination = Path(args.output or Path(args.model_dir) / "README.md")
     try:
         output = write_model_card(card, destination, plots)
     except OSError as error:

@@ -285,3 +285,27 @@ def test_check_configurations_patches_nothing_and_names_the_bad_one():
     assert get_patch_info(model) is None
     assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
     assert all(torch.equal(buffers[name], tensor) for name, tensor in model.named_buffers())
+
+
+@pytest.mark.parametrize("target", [["--max-length", "3276799"], ["--scale", "102399.96875"], ["--scale", "2"]])
+def test_the_printed_call_reproduces_the_measured_target(target, tmp_path, capsys):
+    """`hf-rope-ext auto` prints the patch_model call of the best: evaluated, it must reach the
+    context that was measured (3276799 tokens is scale 102399.96875 over L0 = 32, which six
+    digits print as 102400: another context)."""
+    from test_bad_input import _word_tokenizer
+
+    from hf_rope_ext.cli import main as cli_main
+
+    make_model().save_pretrained(tmp_path / "model")
+    _word_tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "book.txt").write_text(" ".join(f"w{i % 100}" for i in range(3 * L0)))
+    assert cli_main(["auto", "--model", str(tmp_path / "model"), "--device", "cpu", "--text-files",
+                     str(tmp_path / "book.txt"), *target, "--length", str(2 * L0), "--candidates", "yarn;ntk"]) == 0
+    call = capsys.readouterr().out.strip().splitlines()[-1].strip()
+    assert call.startswith("patch_model(model, ")
+    model = make_model()
+    eval(call, {"patch_model": patch_model, "model": model})
+    expected = int(target[1]) if target[0] == "--max-length" else round(float(target[1]) * L0)
+    assert get_patch_info(model).extended_context == expected
+    if target == ["--scale", "2"]:
+        assert "scale=2," in call  # a whole scale stays short

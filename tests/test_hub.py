@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -1036,6 +1037,126 @@ def test_model_card_inputs_are_checked(tmp_path):
         render_model_card(config, base_model="org/tiny-base", eval_dir=bad)
     with pytest.raises(ValueError, match="no hf_rope_ext record"):
         render_model_card(make_config("llama"), base_model="org/tiny-base")
+
+
+@pytest.mark.parametrize("method, kwargs", [
+    ("yarn", {"logn_attention": True}),  # frequencies transformers has, attention it has not
+    ("self-extend", {}),
+    ("dual-chunk", {}),
+    ("yarn", {}),  # control: plain transformers reproduces it
+])  # fmt: skip
+def test_model_card_says_how_to_load_what_plain_from_pretrained_does_not_rebuild(tmp_path, method, kwargs):
+    model = make_model("llama")
+    _patch(model, method, **kwargs)
+    folder = save_patched(model, tmp_path / "ckpt")
+    # The reference: does transformers' own loading (hf_rope_ext imported, as here) give the patched model?
+    ids = random_ids(3 * L0)
+    plain = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    patched = load_patched(folder, attn_implementation="eager").eval()
+    plain_is_exact = torch.allclose(_logits(plain, ids), _logits(patched, ids), atol=1e-5)
+    assert plain_is_exact == (kwargs == {} and method == "yarn")
+
+    card, _ = render_model_card(AutoConfig.from_pretrained(folder), base_model="org/tiny-base", repo_id="me/tiny")
+    text = str(card)
+    assert ('from_pretrained("me/tiny")' in text) == plain_is_exact and 'load_patched("me/tiny")' in text
+    assert ("without extra packages" in text) == plain_is_exact
+    logn = kwargs.get("logn_attention", False)
+    title = next(line for line in text.splitlines() if line.startswith("# "))
+    assert ("log-n" in text.split("## How to load")[0]) == logn and ("logn-attention" in card.data.tags) == logn
+    if logn:
+        assert "**log-n attention**" in text and "| Log-n attention | on:" in text
+        card, _ = render_model_card(AutoConfig.from_pretrained(folder), base_model="org/tiny-base")
+        assert "logn" in next(line for line in str(card).splitlines() if line.startswith("# "))
+    assert title == "# tiny"
+    # A quoted KeyError holds backticks: it must sit in a double-backtick code span to render.
+    if method in ("self-extend", "dual-chunk"):
+        rope_type = hf_rope_ext.config_io.custom_rope_type(get_patch_info(model).rope_method)
+        assert "`" in rope_type and f"``KeyError: '{rope_type}'``" in text
+        assert not re.search(r"(?<!`)`KeyError", text)
+
+
+def test_model_card_training_summary_must_be_one_of_this_checkpoint(tmp_path, capsys):
+    model = make_model("llama")
+    _patch(model, "yarn")  # yarn x4: extended context 4 * L0
+    folder = save_patched(model, tmp_path / "ckpt")
+    config = AutoConfig.from_pretrained(folder)
+    for not_a_summary in ({}, json.loads((folder / "config.json").read_text()), {**TRAINING, "scale": "4"}):
+        with pytest.raises(ValueError, match="is not one: it has no method .* and scale"):
+            render_model_card(config, base_model="org/tiny-base", training_summary=not_a_summary)
+    with pytest.raises(ValueError, match="rope_patch that is not an object"):
+        render_model_card(config, training_summary={**TRAINING, "rope_patch": "junk"})
+    with pytest.raises(ValueError, match=r"trained from 'org/tiny-base', not the base model 'org/other' given"):
+        render_model_card(config, base_model="org/other", training_summary=TRAINING)
+    with pytest.raises(ValueError, match=rf"target_length {4 * L0 + 1} \(checkpoint: extended context {4 * L0}\)"):
+        render_model_card(config, training_summary={**TRAINING, "target_length": 4 * L0 + 1})
+    (tmp_path / "config-as-summary.json").write_text((folder / "config.json").read_text())
+    assert cli_main(["card", "--model-dir", str(folder), "--base-model", "org/tiny-base", "--training-summary",
+                     str(tmp_path / "config-as-summary.json")]) == 2  # fmt: skip
+    assert "config-as-summary.json is not one" in capsys.readouterr().err and not (folder / "README.md").exists()
+
+    # Values with a | or a line break stay in their cell: each row of the Training table has two cells.
+    odd = {**TRAINING, "data_files": ["a|b.txt"], "dataset": "x\ny", "new | field": "z"}
+    text = str(render_model_card(config, training_summary=odd)[0])
+    rows = [line for line in text.split("## Training")[1].split("##")[0].splitlines() if line.startswith("|")]
+    assert all(len(re.split(r"(?<!\\)\|", row)) == 4 for row in rows), rows
+    assert "| Data files | a\\|b.txt |" in text and "| Dataset | x y |" in text
+
+
+def test_model_card_is_not_written_over_the_checkpoints_own_files(tmp_path, capsys):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    folder = save_patched(model, tmp_path / "ckpt", tokenizer=_tokenizer(4 * L0))
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert cli_main(["card", "--model-dir", str(folder), "--base-model", "org/tiny-base", "--output",
+                         str(folder / name)]) == 2, name  # fmt: skip
+        assert f"is the checkpoint's own {name}" in capsys.readouterr().err
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+    AutoModelForCausalLM.from_pretrained(folder)  # still a checkpoint
+    assert cli_main(["card", "--model-dir", str(folder), "--base-model", "org/tiny-base", "--output",
+                     str(folder / "CARD.md")]) == 0  # fmt: skip
+
+
+def test_model_card_leaves_out_unreadable_plots_and_no_folder_on_failure(tmp_path, caplog, capsys, monkeypatch):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "results.jsonl").write_text(json.dumps(RESULTS[1]) + "\n")
+    (eval_dir / "ok.png").write_bytes(b"\x89PNG")
+    (eval_dir / "dir.png").mkdir()
+    (eval_dir / "broken.png").symlink_to(tmp_path / "nowhere.png")
+    command = ["card", "--model-dir", str(folder), "--base-model", "org/tiny-base", "--eval-dir", str(eval_dir)]
+    with caplog.at_level("WARNING", logger="hf_rope_ext.model_card"):
+        assert cli_main([*command, "--output", str(tmp_path / "out" / "README.md")]) == 0
+    assert "broken.png, dir.png" in caplog.text
+    text = (tmp_path / "out" / "README.md").read_text()
+    assert "](ok.png)" in text and "dir.png" not in text and "broken.png" not in text
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["README.md", "ok.png"]
+
+    def failing(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("hf_rope_ext.model_card.atomic_write_text", failing)
+    assert cli_main([*command, "--output", str(tmp_path / "new" / "deeper" / "README.md")]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # neither the plot copied nor the folders made are left
+
+
+def test_model_card_template_errors_and_repo_ids_are_named(tmp_path, capsys):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    template = tmp_path / "bad.md"
+    template.write_text("---\n{{ card_data }}\n---\n{% for x in %}\n")
+    command = ["card", "--model-dir", str(folder), "--base-model", "org/tiny-base"]
+    assert cli_main([*command, "--template", str(template)]) == 2
+    assert f"Model card template {template}, line 4: " in capsys.readouterr().err
+    for repo_id in ("not a repo", "me/x\n# Injected", "/abs/path"):
+        assert cli_main([*command, "--repo-id", repo_id]) == 2
+        assert f"repo_id must be a Hub repo id like 'me/SmolLM2-yarn-x4', got {repo_id!r}" in capsys.readouterr().err
+    assert not (folder / "README.md").exists()
 
 
 def test_patching_a_patched_checkpoint_loaded_plainly_is_refused(tmp_path):

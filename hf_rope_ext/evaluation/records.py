@@ -247,6 +247,9 @@ def check_output_dir(output_dir: str | os.PathLike) -> None:
     output_dir = Path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise EvaluationError(f"--output-dir {output_dir} is a file, not a folder; pass a folder (new or existing).")
+    blocking = next((folder for folder in output_dir.parents if folder.exists() and not folder.is_dir()), None)
+    if blocking is not None:  # the folder could be made only at the first write, after a case ran
+        raise EvaluationError(f"--output-dir {output_dir} cannot be created: {blocking} is a file; pass another folder.")
     results = output_dir / RESULTS_FILE
     if results.exists() and not results.is_file():
         raise EvaluationError(f"{results} is not a file; remove it or use another --output-dir.")

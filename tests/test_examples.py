@@ -1,0 +1,156 @@
+"""examples/eval_long_context.py and examples/benchmark_speed.py: the documented command runs, bad
+input stops with one line and exit code 2 before the model loads, and outputs are not lost.
+
+(Their argument spellings are tested in test_arguments.py, the decode-step benchmark in
+test_attention.py.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_model
+from test_bad_input import _word_tokenizer
+
+from hf_rope_ext.cli import build_parser
+from hf_rope_ext.evaluation.records import read_results
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def example(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama (native context 32) with a word tokenizer, a 400-token book and a plain file."""
+    folder = tmp_path_factory.mktemp("examples")
+    make_model("llama").save_pretrained(folder / "model")
+    _word_tokenizer().save_pretrained(folder / "model")
+    (folder / "book.txt").write_text(" ".join(f"w{i % 100}" for i in range(400)))
+    (folder / "a-file").write_text("x")
+    return folder
+
+
+def documented_command(module) -> list[str]:
+    """The command of the example's docstring, as arguments."""
+    text = module.__doc__.split("::", 1)[1].split("\n\n")[1]
+    return shlex.split(text.replace("\\\n", " "))[1:]  # without "python"
+
+
+def _with(command: list[str], **values: str) -> list[str]:
+    """``command`` with the values of some options replaced (``text_files="x"`` for --text-files)."""
+    command = list(command)
+    for name, value in values.items():
+        index = command.index("--" + name.replace("_", "-"))
+        command[index + 1] = value
+    return command
+
+
+def test_eval_example_runs_its_documented_command_without_steps_per_doubling(tiny):
+    module = example("eval_long_context")
+    command = documented_command(module)
+    assert command[0] == "examples/eval_long_context.py" and "--steps-per-doubling" not in command
+    output = tiny / "eval"
+    command = _with(command, text_files=str(tiny / "book.txt"), ppl_lengths="48,64", retrieval_lengths="160",
+                    output_dir=str(output))  # the tiny model's scale: native context 32, passkey prompts of 128+
+    result = subprocess.run([sys.executable, *command, "--model", str(tiny / "model")], cwd=REPO,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_results(output)
+    assert {(r["kind"], r["method"]) for r in records} == {("perplexity", "none"), ("perplexity", "yarn"),
+                                                           ("retrieval", "none"), ("retrieval", "yarn")}
+    # The default frequency steps are hf-rope-ext eval's.
+    eval_args = build_parser().parse_args(["eval", "--text-files", "b.txt", "--output-dir", "o"])
+    assert module.parse_args(["--text-files", "b.txt", "--output-dir", "o"]).steps_per_doubling == (
+        eval_args.steps_per_doubling)
+
+
+def test_eval_example_takes_the_eval_commands_list_spellings(tiny):
+    args = example("eval_long_context").parse_args(
+        ["--text-files", "b.txt", "--output-dir", "o", "--ppl-lengths", "4k,9216", "--scales", "2,4",
+         "--methods", "none, yarn", "--retrieval-tasks", ""])  # fmt: skip
+    assert args.ppl_lengths == [4096, 9216] and args.scales == [2.0, 4.0] and args.methods == ["none", "yarn"]
+    assert args.retrieval_tasks == []
+
+
+def _refused_before_loading(module, argv, monkeypatch, capsys) -> str:
+    """Run ``module.main(argv)``: exit code 2, no traceback, the model never loaded; the error line."""
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(module, "load_model", load_model)
+    try:
+        code = module.main(argv)
+    except SystemExit as error:  # argparse
+        code = error.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--scales", "x"], "argument --scales: expected comma-separated numbers"),
+    (["--ppl-lengths", "4q"], "--ppl_lengths: expected comma-separated integers (e.g. 4096,8192 or 4k,8k)"),
+    (["--methods", "yarnn"], "Unknown method(s) 'yarnn'"),
+    (["--text-files", "missing.txt"], "Text file not found: missing.txt. Pass an existing file with --text-files."),
+    (["--output-dir", "{tiny}/a-file/x"], "Cannot create --output-dir {tiny}/a-file/x: Not a directory"),
+    (["--output-dir", "{tiny}/a-file"], "is a file, not a folder"),
+    (["--steps-per-doubling", "0"], "must be a positive integer or 'exact'"),
+])  # fmt: skip
+def test_eval_example_bad_input_is_one_line_and_exit_2_before_loading(tiny, extra, message, monkeypatch, capsys):
+    module = example("eval_long_context")
+    argv = ["--text-files", str(tiny / "book.txt"), "--output-dir", str(tiny / "unused"), "--ppl-lengths", "64",
+            "--retrieval-tasks", "", *[part.format(tiny=tiny) for part in extra]]  # fmt: skip
+    assert message.format(tiny=tiny) in _refused_before_loading(module, argv, monkeypatch, capsys)
+    assert not (tiny / "unused").exists()  # made only once the input passed
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--forward-methods", "yarnn"], "Unknown RoPE method 'yarnn'. Did you mean 'yarn'?"),
+    (["--scale", "1"], "--scale=1 leaves the model unchanged"),
+    (["--forward-scale", "0.5"], "--forward-scale=0.5 is below 1"),
+    (["--forward-repeats", "0"], "--forward-repeats must be at least 1, got 0"),
+    (["--decode-repeats", "0"], "--decode-repeats must be at least 1, got 0"),
+    (["--forward-methods", ""], "--forward-methods names no method"),
+    (["--output-dir", "{tiny}/a-file/x"], "Cannot create --output-dir {tiny}/a-file/x: Not a directory"),
+])  # fmt: skip
+def test_benchmark_bad_input_is_one_line_and_exit_2_before_loading(tiny, extra, message, monkeypatch, capsys):
+    module = example("benchmark_speed")
+    argv = ["--output-dir", str(tiny / "unused"), *[part.format(tiny=tiny) for part in extra]]
+    assert message.format(tiny=tiny) in _refused_before_loading(module, argv, monkeypatch, capsys)
+
+
+def test_benchmark_writes_speed_json_atomically_into_a_folder_made_first(tiny, monkeypatch, capsys):
+    module = example("benchmark_speed")
+    output = tiny / "bench" / "nested"
+    written, real_write, real_load = [], module.atomic_write_json, module.load_model
+
+    def atomic_write_json(path, data):
+        written.append(Path(path).name)
+        real_write(path, data)
+
+    def load_model(*args, **kwargs):
+        assert output.is_dir()  # made before the model loads, not after the benchmark ran
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(module, "atomic_write_json", atomic_write_json)
+    monkeypatch.setattr(module, "load_model", load_model)
+    assert module.main(["--model", str(tiny / "model"), "--output-dir", str(output), "--device", "cpu",
+                        "--forward-tokens", "40", "--forward-repeats", "1", "--forward-methods", "yarn,ntk",
+                        "--decode-repeats", "1", "--decode-new-tokens", "2", "--original-context", "16"]) == 0
+    report = json.loads((output / "speed.json").read_text())
+    assert set(report["forward"]) == {"tokens", "none", "yarn", "ntk"} and len(report["decode"]["shapes"]) == 4
+    assert written[-1] == "speed.json" and set(written[:-1]) == {"decode_rounds.json"}
+    assert "Forward pass, 40 tokens" in capsys.readouterr().out
