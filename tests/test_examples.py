@@ -105,7 +105,7 @@ def _refused_before_loading(module, argv, monkeypatch, capsys) -> str:
     (["--ppl-lengths", "4q"], "--ppl_lengths: expected comma-separated integers (e.g. 4096,8192 or 4k,8k)"),
     (["--methods", "yarnn"], "Unknown method(s) 'yarnn'"),
     (["--text-files", "missing.txt"], "Text file not found: missing.txt. Pass an existing file with --text-files."),
-    (["--output-dir", "{tiny}/a-file/x"], "Cannot create --output-dir {tiny}/a-file/x: Not a directory"),
+    (["--output-dir", "{tiny}/a-file/x"], "--output-dir {tiny}/a-file/x cannot be created: {tiny}/a-file is a file"),
     (["--output-dir", "{tiny}/a-file"], "is a file, not a folder"),
     (["--steps-per-doubling", "0"], "must be a positive integer or 'exact'"),
 ])  # fmt: skip
@@ -124,7 +124,7 @@ def test_eval_example_bad_input_is_one_line_and_exit_2_before_loading(tiny, extr
     (["--forward-repeats", "0"], "--forward-repeats must be at least 1, got 0"),
     (["--decode-repeats", "0"], "--decode-repeats must be at least 1, got 0"),
     (["--forward-methods", ""], "--forward-methods names no method"),
-    (["--output-dir", "{tiny}/a-file/x"], "Cannot create --output-dir {tiny}/a-file/x: Not a directory"),
+    (["--output-dir", "{tiny}/a-file/x"], "--output-dir {tiny}/a-file/x cannot be created: {tiny}/a-file is a file"),
 ])  # fmt: skip
 def test_benchmark_bad_input_is_one_line_and_exit_2_before_loading(tiny, extra, message, monkeypatch, capsys):
     module = example("benchmark_speed")
