@@ -29,7 +29,16 @@ from torch import nn
 
 from . import compat, config_io
 from .families import check_supported
-from .methods import COMMON_PARAMS, LOGN_SUFFIX, RUNTIMES, dynamic_ntk_base, get_method, ntk_base, yarn_mscale
+from .methods import (
+    COMMON_PARAMS,
+    LOGN_SUFFIX,
+    RUNTIMES,
+    checked_frequencies,
+    dynamic_ntk_base,
+    get_method,
+    ntk_base,
+    yarn_mscale,
+)
 from .spec import NOT_GIVEN, PatchSpec
 
 logger = logging.getLogger(__name__)
@@ -238,6 +247,11 @@ def runtime_settings(
     gives the closest static setting and explains the difference (``"approximate"``).
     """
     patch, found_type = _patch_of(source, method, scale, dict(patch_kwargs))
+    if patch.rotary_dim is not None and patch.original_rope_theta is not None:
+        # What patch_model checks: finite, positive frequencies at the extended context (a huge
+        # rope_theta overflows ntk's raised base to inf, which no runtime can be given).
+        checked_frequencies(patch.rope_method, patch.rotary_dim, patch.original_rope_theta, patch.resolved_params(),
+                            patch.extended_context)  # fmt: skip
     model_type = model_type or found_type
     vllm, llama_cpp = (_translate(patch, runtime, model_type) for runtime in RUNTIMES)
     if patch.logn_attention:
