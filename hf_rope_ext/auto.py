@@ -182,7 +182,7 @@ class AutoChoice:
     def table(self) -> str:
         """The numbers behind the choice, as a markdown table."""
         lines = [
-            f"method='auto', scale {self.scale:g}, calibration {self.length} tokens, objective {self.objective!r}"
+            f"method='auto', scale {self.scale:.10g}, calibration {self.length} tokens, objective {self.objective!r}"
             + (" (cached)" if self.from_cache else ""),
             f"| configuration | mean loss | ppl | ppl 1-{self.original_length} | ppl {self.original_length}-{self.length} | seconds |",
             "|---|---|---|---|---|---|",
