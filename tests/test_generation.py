@@ -583,6 +583,19 @@ def test_assisted_generation_crops_the_cache_and_matches_full_forwards():
     assert worst < TOLERANCE
 
 
+@pytest.mark.parametrize("method", ["self-extend-yarn", "self-extend", "dual-chunk"])
+@pytest.mark.parametrize("speculation", ["assistant model", "prompt lookup"])
+def test_speculative_decoding_with_attention_level_methods_matches_full_forwards(method, speculation):
+    """Drafted tokens are verified several at a time and the rejected ones cropped from the cache:
+    the positions that follow a cropped cache are not a jump (the check for those must not fire)."""
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method=method)
+    kwargs = ({"assistant_model": make_model("llama", seed=7, attn_implementation="sdpa")}
+              if speculation == "assistant model" else {"prompt_lookup_num_tokens": 3})  # fmt: skip
+    prompt = torch.cat([random_ids(L0 // 2)] * 2, dim=1)  # repeated: prompt lookup finds drafts in it
+    assert generation_vs_full_forward(model, prompt, new_tokens=2 * L0, **kwargs) < TOLERANCE
+
+
 BATCH_OPERATIONS = [
     ("batch_select_indices", lambda: torch.tensor([2, 0]), [2, 0]),
     ("batch_repeat_interleave", lambda: 2, [0, 0, 1, 1, 2, 2]),
