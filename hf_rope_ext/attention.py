@@ -1346,10 +1346,9 @@ def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[
     if signature is None:
         signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(module.forward)
     try:
-        arguments = signature.bind_partial(*args, **kwargs).arguments
+        arguments = compat.call_arguments(signature, args, kwargs)
     except TypeError:
         return None, None
-    arguments = {**arguments.pop("kwargs", {}), **arguments}
     _, cache = compat.cache_argument(arguments)
     positions = arguments.get("position_ids")
     if not compat.is_cache(cache) or not isinstance(positions, torch.Tensor) or positions.dim() != 2:

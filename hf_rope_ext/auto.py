@@ -41,7 +41,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .files import atomic_write_json
-from .validation import is_real
+from .validation import is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ def _choice_from_entry(entry: Any, key_fields: Mapping[str, Any], path: Path) ->
         for score in scores:
             values = [score.mean_loss, score.perplexity, score.perplexity_beyond, score.seconds]
             values += [] if score.perplexity_inside is None else [score.perplexity_inside]
-            if not all(is_real(value) and math.isfinite(value) for value in values):
+            if not all(is_finite(value) for value in values):
                 raise ValueError(f"a number of {score.configuration!r} is missing or not finite")
         best = min(scores, key=lambda score: score.mean_loss)  # first of equals, as when measured
         if entry["chosen"] != best.configuration:

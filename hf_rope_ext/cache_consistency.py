@@ -132,14 +132,7 @@ class PrefixRecompute:
     # -- hooks -------------------------------------------------------------------------------
 
     def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        bound = self.signature.bind_partial(*args, **kwargs)
-        arguments = {}
-        for name, value in bound.arguments.items():
-            if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-                arguments.update(value)
-            else:
-                arguments[name] = value
-        return arguments
+        return compat.call_arguments(self.signature, args, kwargs)
 
     def _start(self, call: _Call) -> None:
         self._calls.append(call)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import logging
 from typing import Any
 
@@ -126,6 +127,18 @@ CACHE_ARGUMENT_NAMES = ("cache", "past_key_values")
 def cache_argument_name(parameters: Any) -> str | None:
     """The name under which a forward with these parameter names takes the KV cache (None: none)."""
     return next((name for name in CACHE_ARGUMENT_NAMES if name in parameters), None)
+
+
+def call_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A forward call's arguments by name (what ``**kwargs`` caught merged in), for hooks that read
+    the cache or the position ids however the caller passed them. ``TypeError`` if they do not bind."""
+    arguments = {}
+    for name, value in signature.bind_partial(*args, **kwargs).arguments.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(value)
+        else:
+            arguments[name] = value
+    return arguments
 
 
 def cache_argument(arguments: dict[str, Any]) -> tuple[str | None, Any]:

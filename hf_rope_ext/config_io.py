@@ -73,7 +73,7 @@ from .methods import (
 )
 from .rotary import effective_length
 from .spec import PatchSpec, RecordError, extended_length
-from .validation import is_real
+from .validation import is_finite, is_real
 
 logger = logging.getLogger(__name__)
 
@@ -206,15 +206,13 @@ def _record_error(config: Any, problem: str) -> ValueError:
     return error
 
 
-def _number(value: Any) -> bool:
-    return is_real(value) and math.isfinite(value)
 
 
 def _differences(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
     def same(a: Any, b: Any) -> bool:
         if isinstance(a, bool) or isinstance(b, bool):
             return a is b
-        if _number(a) and _number(b):
+        if is_finite(a) and is_finite(b):
             return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
         if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
             return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))

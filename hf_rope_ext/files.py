@@ -20,6 +20,17 @@ def current_umask() -> int:
     return mask
 
 
+def file_in_the_way(path: str | os.PathLike) -> Path | None:
+    """The file standing where ``path`` or one of its parent folders should be (None: none).
+
+    Walking up from ``path``, the first entry that exists is a folder unless a file blocks the
+    way: a folder below a file cannot exist.
+    """
+    path = Path(path)
+    existing = next((entry for entry in (path, *path.parents) if entry.exists()), None)
+    return existing if existing is not None and not existing.is_dir() else None
+
+
 def staging_dir(parent: str | os.PathLike, prefix: str) -> Path:
     """A new empty folder in ``parent`` to build an output in before renaming it into place.
 
@@ -130,7 +141,7 @@ def atomic_directory(path: str | os.PathLike, *, keep_existing: Callable[[str], 
             "running process. Choose a subfolder (e.g. ./checkpoint)."
         )
     created = [folder for folder in (target.parent, *target.parent.parents) if not folder.exists()]
-    blocking = next((folder for folder in target.parents if folder.exists() and not folder.is_dir()), None)
+    blocking = file_in_the_way(target.parent)
     if blocking is not None:
         raise ValueError(f"Cannot create {target}: {blocking} is a file, not a folder. Choose another path.")
     target.parent.mkdir(parents=True, exist_ok=True)

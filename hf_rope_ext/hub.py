@@ -155,8 +155,8 @@ def save_patched(
     target = Path(save_directory).expanduser()
     if target.exists() and not target.is_dir():
         raise ValueError(f"{target} is a file; save_patched needs a folder (new or existing).")
-    existing = sorted(entry.name for entry in target.iterdir()) if target.is_dir() else []
-    stale = [name for name in existing if _WEIGHT_FILES.match(name)]
+    entries = sorted(entry.name for entry in target.iterdir()) if target.is_dir() else []
+    stale = [name for name in entries if _WEIGHT_FILES.match(name)]  # to name those removed, after the save
     with atomic_directory(target, keep_existing=lambda name: not _WEIGHT_FILES.match(name)) as staging:
         model.save_pretrained(staging, **save_kwargs)
         if tokenizer is not None:
@@ -364,9 +364,9 @@ def read_checked_config(name_or_path: str | os.PathLike, **config_kwargs: Any):
     from transformers import AutoConfig, PretrainedConfig
     from huggingface_hub.errors import StrictDataclassError
 
-    from .loading import is_missing_folder
+    from .loading import expand_home, is_missing_folder
 
-    name_or_path = _expand_home(name_or_path)
+    name_or_path = expand_home(name_or_path)
     if is_missing_folder(name_or_path):
         raise FileNotFoundError(f"Checkpoint folder not found: {name_or_path}.")
     folder = Path(name_or_path) / config_kwargs.get("subfolder", "")
@@ -389,11 +389,6 @@ def read_checked_config(name_or_path: str | os.PathLike, **config_kwargs: Any):
         ) from None
 
 
-def _expand_home(name_or_path: str | os.PathLike) -> str | os.PathLike:
-    """``~/ckpt`` as the folder it names (no Hub repo id starts with ``~``)."""
-    return Path(name_or_path).expanduser() if str(name_or_path).startswith("~") else name_or_path
-
-
 def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a causal LM saved from a patched model, by folder or Hub repo id.
 
@@ -405,7 +400,9 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
     """
     from transformers import AutoModelForCausalLM
 
-    name_or_path = _expand_home(name_or_path)
+    from .loading import expand_home
+
+    name_or_path = expand_home(name_or_path)
     config = from_pretrained_kwargs.pop("config", None)
     if config is None:
         config_kwargs = {key: from_pretrained_kwargs[key] for key in _CONFIG_KWARGS if key in from_pretrained_kwargs}

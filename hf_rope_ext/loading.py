@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .arguments import check_device
-from .files import atomic_directory
+from .files import atomic_directory, file_in_the_way
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def damaged_safetensors(folder: str | os.PathLike) -> tuple[Path, str] | None:
 
 def _check_cache_folder(target: Path) -> None:
     """Refuse a cache location that cannot hold ``target`` before the (slow) conversion starts."""
-    blocking = next((folder for folder in (target, *target.parents) if folder.exists() and not folder.is_dir()), None)
+    blocking = file_in_the_way(target)
     if blocking is not None:
         raise NotADirectoryError(
             f"The model cache {cache_dir()} cannot be created: {blocking} is a file. Set HF_ROPE_EXT_CACHE to a "
@@ -166,6 +166,13 @@ def is_missing_folder(name_or_path: str | os.PathLike) -> bool:
     )
 
 
+def expand_home(name_or_path: str | os.PathLike) -> str:
+    """``~/ckpt`` as the folder it names; other names as they are (no Hub id starts with ``~``, and
+    transformers would read ``~/ckpt`` as one)."""
+    text = str(name_or_path)
+    return str(Path(text).expanduser()) if text.startswith("~") else text
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """``smollm2`` -> the cached local checkpoint; anything else unchanged.
 
@@ -174,8 +181,7 @@ def resolve_model_path(name_or_path: str) -> str:
     """
     if name_or_path.lower() in SMOLLM2_ALIASES:
         return str(smollm2_checkpoint())
-    if name_or_path.startswith("~"):  # no Hub id starts with ~: transformers would read it as one
-        name_or_path = str(Path(name_or_path).expanduser())
+    name_or_path = expand_home(name_or_path)
     if is_missing_folder(name_or_path):
         raise FileNotFoundError(
             f"Model folder not found: {name_or_path}. Pass an existing checkpoint folder, 'smollm2', or a Hub id "

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .methods import COMMON_PARAMS, LOGN_SUFFIX, RopeMethod, get_method, plain_value, resolve_params
-from .validation import check_context, check_length, check_scale, check_steps, is_real
+from .validation import check_context, check_length, check_scale, check_steps, is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class PatchSpec:
             set_field(self, "rotary_dim", rotary_dim)
         if self.original_rope_theta is not None:
             # Finite too: inf would reach runtimes as JSON's invalid Infinity and `--rope-freq-base inf`.
-            if not _finite(self.original_rope_theta) or not self.original_rope_theta > 0:
+            if not is_finite(self.original_rope_theta) or not self.original_rope_theta > 0:
                 raise ValueError(f"rope_theta must be a finite number > 0, got {self.original_rope_theta!r}.")
             set_field(self, "original_rope_theta", float(self.original_rope_theta))
         if not isinstance(self.params, Mapping):
@@ -401,11 +401,11 @@ class PatchSpec:
         scale = record["scale"]
         original = record["original_max_position_embeddings"]
         base = record["original_rope_theta"]
-        if not _finite(scale) or scale <= 1:
+        if not is_finite(scale) or scale <= 1:
             raise RecordError(f"has scale={scale!r}; it must be a number > 1.", source)
         if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
             raise RecordError(f"has original_max_position_embeddings={original!r}; it must be an integer > 0.", source)
-        if not _finite(base) or base <= 0:
+        if not is_finite(base) or base <= 0:
             raise RecordError(f"has original_rope_theta={base!r}; it must be a number > 0.", source)
         if not isinstance(record["params"], Mapping):
             raise RecordError(f"has params={record['params']!r}; it must be a JSON object.", source)
@@ -422,5 +422,3 @@ class PatchSpec:
         return cls(method.name, float(scale), original, params, steps, logn, float(base), rotary_dim, dict(kept or {}))
 
 
-def _finite(value: Any) -> bool:
-    return is_real(value) and math.isfinite(value)

@@ -6,12 +6,17 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["MAX_CONTEXT", "check_context", "check_length", "check_scale", "check_steps", "is_real"]
+__all__ = ["MAX_CONTEXT", "check_context", "check_length", "check_scale", "check_steps", "is_finite", "is_real"]
 
 
 def is_real(value: Any) -> bool:
     """A real number (int, float, numpy/torch scalar), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_finite(value: Any) -> bool:
+    """A real number (see :func:`is_real`) that is neither infinite nor NaN."""
+    return is_real(value) and math.isfinite(value)
 
 
 def check_scale(scale: Any, name: str = "scale") -> float:

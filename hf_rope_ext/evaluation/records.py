@@ -55,7 +55,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..files import atomic_write_text
+from ..files import atomic_write_text, file_in_the_way
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ def check_output_dir(output_dir: str | os.PathLike) -> None:
     output_dir = Path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise EvaluationError(f"--output-dir {output_dir} is a file, not a folder; pass a folder (new or existing).")
-    blocking = next((folder for folder in output_dir.parents if folder.exists() and not folder.is_dir()), None)
+    blocking = file_in_the_way(output_dir.parent)
     if blocking is not None:  # the folder could be made only at the first write, after a case ran
         raise EvaluationError(f"--output-dir {output_dir} cannot be created: {blocking} is a file; pass another folder.")
     results = output_dir / RESULTS_FILE

@@ -26,6 +26,7 @@ from ..arguments import (
 )
 from ..methods import get_method
 from ..patching import original_context_length, resolve_scale
+from ..validation import is_finite
 from .lora import LoraSettings
 
 logger = logging.getLogger(__name__)
@@ -33,11 +34,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["FinetuneConfig", "Lengths", "SCHEDULERS", "add_finetune_arguments", "config_from_args", "resolve_lengths"]
 
 SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
-
-
-def is_finite(value: Any) -> bool:
-    """A real number, not a bool, neither infinite nor NaN."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def flag(name: str) -> str:

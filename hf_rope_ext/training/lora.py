@@ -10,11 +10,11 @@ fine-tuning unless the input embeddings and the normalization layers are trained
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 from dataclasses import dataclass, field
 
 from torch import nn
+
+from ..validation import is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class LoraSettings:
     def validate(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}.")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not 0 < self.alpha < math.inf:
+        if not is_finite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"LoRA alpha (--lora-alpha) must be a finite number > 0, got {self.alpha!r}.")
         if isinstance(self.target_modules, (str, bytes)):  # would be read character by character
             raise TypeError(f"target_modules must be a list, e.g. [{self.target_modules!r}], got a single string.")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..files import atomic_directory, atomic_write_json, atomic_write_text
+from ..files import atomic_directory, atomic_write_json, atomic_write_text, file_in_the_way
 from ..hub import save_patched
 from . import checkpoint as ckpt
 from .config import FinetuneConfig, Lengths
@@ -64,9 +64,9 @@ class Progress:
 def check_output_dir(config: FinetuneConfig) -> Path | None:
     """The checkpoint to resume from, if any; refuses to overwrite an earlier run's outputs."""
     output_dir = Path(config.output_dir)
-    existing = next((path for path in (output_dir, *output_dir.parents) if path.exists()), None)
-    if existing is not None and not existing.is_dir():  # found here, not by mkdir once the model has loaded
-        where = "is a file" if existing == output_dir else f"is inside {existing}, a file"
+    blocking = file_in_the_way(output_dir)
+    if blocking is not None:  # found here, not by mkdir once the model has loaded
+        where = "is a file" if blocking == output_dir else f"is inside {blocking}, a file"
         raise ValueError(f"--output-dir {output_dir} {where}, not a folder. Choose a folder for the run's outputs.")
     checkpoints = output_dir / "checkpoints"
     latest = ckpt.latest_checkpoint(checkpoints)
