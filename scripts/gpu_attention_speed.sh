@@ -11,8 +11,8 @@ other=${1:-}
 sys.exit(0 if torch.cuda.is_available() else 'error: no CUDA GPU visible; on the CPU run scripts/time_remapped_attention.py')" || exit 1
 for tokens in 16384 65536; do
   for method in self-extend-by-parts dual-chunk self-extend; do
-    [ -n "$other" ] && PYTHONPATH="$other" "$py" scripts/time_remapped_attention.py "$method" --tokens $tokens \
+    [ -n "$other" ] && PYTHONPATH="$other${PYTHONPATH:+:$PYTHONPATH}" "$py" scripts/time_remapped_attention.py "$method" --tokens $tokens \
         --device cuda --dtype bf16 --repeats 3 | sed "s|^|other checkout: |"
-    PYTHONPATH=. "$py" scripts/time_remapped_attention.py "$method" --tokens $tokens --device cuda --dtype bf16 --repeats 3
+    PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$py" scripts/time_remapped_attention.py "$method" --tokens $tokens --device cuda --dtype bf16 --repeats 3
   done
 done
