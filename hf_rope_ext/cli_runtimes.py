@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
-from .arguments import model_label
+from .arguments import add_option, model_label
 from .config_io import read_record
 from .hub import read_checked_config
-from .loading import SMOLLM2_ALIASES, resolve_model_path
+from .loading import SMOLLM2_ALIASES, expand_home, resolve_model_path
 from .methods import get_method
 from .runtimes import describe_patch, runtime_settings
 
@@ -61,17 +62,17 @@ def add_parser(subparsers) -> None:
             "or for a patch given by numbers (--method, --scale, --original-context, --rope-theta, --rotary-dim)."
         ),
     )
-    parser.add_argument("--model-dir", help="checkpoint folder or Hub id (its config.json is read)")
-    parser.add_argument("--method", help="RoPE method (hf-rope-ext methods lists them)")
-    parser.add_argument("--scale", type=float, help="context multiplier (> 1)")
-    parser.add_argument("--original-context", type=int, help="context the model was trained on")
-    parser.add_argument("--rope-theta", type=float, help="RoPE base of the model (without --model-dir)")
-    parser.add_argument("--rotary-dim", type=int, help="rotated dimensions per head (without --model-dir)")
-    parser.add_argument("--model-type", help="transformers model_type, for GGUF key names (default: from the config)")
-    parser.add_argument("--steps-per-doubling", type=int, help="length-dependent methods: frequency steps per doubling")
-    parser.add_argument("--param", action="append", type=_parse_param, default=[], metavar="KEY=VALUE",
-                        help="a method parameter, e.g. --param beta_fast=32 (repeatable)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_option(parser, "--model-dir", help="checkpoint folder or Hub id (its config.json is read)")
+    add_option(parser, "--method", help="RoPE method (hf-rope-ext methods lists them)")
+    add_option(parser, "--scale", type=float, help="context multiplier (> 1)")
+    add_option(parser, "--original-context", type=int, help="context the model was trained on")
+    add_option(parser, "--rope-theta", type=float, help="RoPE base of the model (without --model-dir)")
+    add_option(parser, "--rotary-dim", type=int, help="rotated dimensions per head (without --model-dir)")
+    add_option(parser, "--model-type", help="transformers model_type, for GGUF key names (default: from the config)")
+    add_option(parser, "--steps-per-doubling", type=int, help="length-dependent methods: frequency steps per doubling")
+    add_option(parser, "--param", action="append", type=_parse_param, default=[], metavar="KEY=VALUE",
+               help="a method parameter, e.g. --param beta_fast=32 (repeatable)")
+    add_option(parser, "--json", action="store_true", help="print JSON instead of text")
     parser.set_defaults(handler=_runtimes_command)
 
 
@@ -82,14 +83,29 @@ def _runtimes_command(args: argparse.Namespace) -> int:
         raise ValueError(str(error)) from None
 
 
+def _params(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The --param pairs as a dict; a key given twice is contradictory input, not "last one wins"."""
+    params: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in params:
+            raise ValueError(f"--param {key} is given twice ({params[key]!r} and {value!r}); give it once.")
+        params[key] = value
+    return params
+
+
 def _runtimes(args: argparse.Namespace) -> int:
-    params = dict(args.param)
+    params = _params(args.param)
     _check_param_keys(params, args.model_dir)
     if args.steps_per_doubling is not None:
         params["steps_per_doubling"] = args.steps_per_doubling
     if args.model_dir:
         if args.rope_theta is not None or args.rotary_dim is not None:
-            raise SystemExit("--rope-theta/--rotary-dim describe a model without --model-dir; give one or the other.")
+            raise ValueError("--rope-theta/--rotary-dim describe a model without --model-dir; give one or the other.")
+        if Path(expand_home(args.model_dir)).is_file():  # vLLM and llama.cpp take the folder, not its config.json
+            raise ValueError(
+                f"--model-dir {args.model_dir} is a file; pass the checkpoint folder that holds it "
+                f"({Path(expand_home(args.model_dir)).parent})."
+            )
         # smollm2 -> the cached checkpoint, as every other command reads it (not a Hub id).
         alias = args.model_dir.lower() in SMOLLM2_ALIASES
         config = read_checked_config(resolve_model_path(args.model_dir) if alias else args.model_dir)
@@ -111,7 +127,7 @@ def _runtimes(args: argparse.Namespace) -> int:
                    ("--original-context", args.original_context), ("--rope-theta", args.rope_theta),
                    ("--rotary-dim", args.rotary_dim)) if value is None]
         if missing:
-            raise SystemExit(f"Without --model-dir, give {', '.join(missing)}.")
+            raise ValueError(f"Without --model-dir, give {', '.join(missing)}.")
         patch = describe_patch(args.method, args.scale, original_max_length=args.original_context,
                                rope_theta=args.rope_theta, rotary_dim=args.rotary_dim, **params)
         settings = runtime_settings(patch, model_type=args.model_type)

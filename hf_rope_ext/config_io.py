@@ -448,13 +448,20 @@ def register_with_transformers(method: RopeMethod) -> None:
     """
     if method.transformers_rope_type is not None:
         return
-    _register_rope_type(custom_rope_type(method))
+    for rope_type in _rope_type_spellings(method):
+        _register_rope_type(rope_type)
+
+
+def _rope_type_spellings(method: RopeMethod) -> list[str]:
+    """The rope_type as written, and without its install hint: a user who cleans up the odd-looking
+    string gets the same frequencies (:func:`verify_record` reads both as one type)."""
+    return list(dict.fromkeys((custom_rope_type(method), _bare_rope_type(method))))
 
 
 def unregister_from_transformers(method: RopeMethod) -> None:
-    rope_type = custom_rope_type(method)
-    if getattr(compat.ROPE_INIT_FUNCTIONS.get(rope_type), "_hf_rope_ext", False):
-        del compat.ROPE_INIT_FUNCTIONS[rope_type]
+    for rope_type in _rope_type_spellings(method):
+        if getattr(compat.ROPE_INIT_FUNCTIONS.get(rope_type), "_hf_rope_ext", False):
+            del compat.ROPE_INIT_FUNCTIONS[rope_type]
 
 
 class _KnownRopeTypeFilter(logging.Filter):

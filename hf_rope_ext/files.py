@@ -4,13 +4,33 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # Windows: abandoned temporary folders are recognised by their age only
+    fcntl = None
+
+logger = logging.getLogger(__name__)
+
+# Temporary folders that atomic_directory makes inside an existing target: the new entries while
+# they are written, and the entries they replace during the swap.
+INNER_STAGING_PREFIX = ".hf_rope_ext.staging-"
+INNER_ASIDE_PREFIX = ".hf_rope_ext.old-"
+# A temporary folder that no running process holds (see _locked) is abandoned; one untouched for
+# this long is taken as abandoned where locks are not available.
+STALE_STAGING_SECONDS = 30 * 60
+# A folder just made by mkdtemp is locked right after; younger ones are left alone.
+_LOCK_GRACE_SECONDS = 2.0
+_RANDOM_PART = 8  # characters tempfile adds to a prefix
 
 
 def current_umask() -> int:
@@ -31,6 +51,27 @@ def file_in_the_way(path: str | os.PathLike) -> Path | None:
     return existing if existing is not None and not existing.is_dir() else None
 
 
+def hidden_prefix(folder: str | os.PathLike, name: str, suffix: str) -> str:
+    """``.NAME<suffix>`` for a temporary entry beside ``name`` in ``folder``, with NAME cut short
+    where the whole name (plus tempfile's random part) would exceed the file system's name limit:
+    any name ``mkdir`` accepts can be written."""
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        limit = 255
+    room = limit - len(f".{suffix}".encode()) - _RANDOM_PART
+    stem = name.encode()[: max(room, 0)].decode(errors="ignore")
+    return f".{stem}{suffix}"
+
+
+def _umask_mode(path: str | os.PathLike, mode: int) -> int:
+    """``mode`` less the umask; a folder keeps its setgid bit (inherited from a group-shared parent)."""
+    mode &= ~current_umask()
+    if os.path.isdir(path) and not os.path.islink(path):
+        mode |= os.stat(path).st_mode & stat.S_ISGID
+    return mode
+
+
 def staging_dir(parent: str | os.PathLike, prefix: str) -> Path:
     """A new empty folder in ``parent`` to build an output in before renaming it into place.
 
@@ -38,7 +79,7 @@ def staging_dir(parent: str | os.PathLike, prefix: str) -> Path:
     renamed output is readable as the user's other files are.
     """
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    os.chmod(folder, 0o777 & ~current_umask())
+    os.chmod(folder, _umask_mode(folder, 0o777))
     return folder
 
 
@@ -46,13 +87,75 @@ def give_umask_permissions(folder: str | os.PathLike) -> None:
     """Give every file and folder under ``folder`` (itself included) the mode a plain ``open`` or
     ``mkdir`` would, before the folder is renamed into place: some writers (safetensors, mkstemp)
     create files readable by their owner only."""
-    mask = current_umask()
     for root, folders, files in os.walk(folder):
-        os.chmod(root, 0o777 & ~mask)
+        os.chmod(root, _umask_mode(root, 0o777))
         for name in files:
             path = os.path.join(root, name)
             if not os.path.islink(path):
-                os.chmod(path, 0o666 & ~mask)
+                os.chmod(path, _umask_mode(path, 0o666))
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Hold an advisory lock on ``folder`` while it is written, so that :func:`remove_abandoned`
+    in another run tells it from one a killed run left (the kernel drops the lock of a dead
+    process)."""
+    handle = None
+    if fcntl is not None:
+        with contextlib.suppress(OSError):
+            handle = os.open(folder, os.O_RDONLY)
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            os.close(handle)
+
+
+def _abandoned(folder: Path) -> bool:
+    """True for a temporary folder no running process is writing."""
+    try:
+        changed = folder.lstat().st_mtime  # an entry made or removed in it
+        age = time.time() - max([changed, *(entry.lstat().st_mtime for entry in folder.iterdir())])
+    except OSError:
+        return False  # removed meanwhile, or not a folder
+    if time.time() - changed < _LOCK_GRACE_SECONDS:
+        return False
+    if fcntl is not None:
+        try:
+            handle = os.open(folder, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass  # no locks on this file system (some network mounts): go by age
+        finally:
+            os.close(handle)
+    return age > STALE_STAGING_SECONDS
+
+
+def remove_abandoned(target: str | os.PathLike, *, old_copies: bool = False) -> None:
+    """Remove the temporary folders of :func:`atomic_directory` that runs killed while writing
+    ``target`` left: ``.NAME.staging-*`` beside it and the ones inside it (``old_copies``: also
+    ``.NAME.old-*`` beside it, where an older version swapped folders; without ``target`` that
+    may be the only copy of the previous output). Folders other runs are writing are kept."""
+    target = Path(target)
+    patterns = [(target.parent, hidden_prefix(target.parent, target.name, ".staging-") + "*")]
+    if old_copies:
+        patterns.append((target.parent, f".{target.name}.old-*"))
+    if target.is_dir() and not target.is_symlink():
+        patterns += [(target, INNER_STAGING_PREFIX + "*"), (target, INNER_ASIDE_PREFIX + "*")]
+    for folder, pattern in patterns:
+        if not folder.is_dir():
+            continue
+        for leftover in folder.glob(pattern):
+            if leftover.is_dir() and not leftover.is_symlink() and _abandoned(leftover):
+                logger.info("Removing %s, left by an interrupted save.", leftover)
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -64,7 +167,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    handle, temporary = tempfile.mkstemp(prefix=hidden_prefix(path.parent, path.name, "."), dir=path.parent)
     os.close(handle)
     # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's).
     os.chmod(temporary, stat.S_IMODE(path.stat().st_mode) if path.is_file() else 0o666 & ~current_umask())
@@ -88,50 +191,65 @@ def atomic_write_json(path: str | os.PathLike, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
-def _carry_over(old: Path, staging: Path, keep: Callable[[str], bool]) -> None:
-    """Copy the entries of ``old`` that the staged output lacks (and ``keep`` accepts) into it.
+def _is_temporary(name: str) -> bool:
+    return name.startswith((INNER_STAGING_PREFIX, INNER_ASIDE_PREFIX))
 
-    Hard links where the file system allows (no second copy of large files), copies otherwise.
+
+def _swap_in(target: Path, staging: Path, keep: Callable[[str], bool] | None) -> None:
+    """Replace the entries of the existing folder ``target`` by those of ``staging`` (inside it).
+
+    The folder itself stays (its mode, owner, group and setgid bit; a mount point cannot be
+    renamed anyway). The entries the new output replaces, and those ``keep`` does not accept, are
+    first moved into a hidden folder inside ``target``, then the new entries are renamed in: all
+    renames within one file system, so the swap takes no new space and, if a rename fails, is
+    undone. Entries ``keep`` accepts are not touched.
     """
-    for entry in old.iterdir():
-        destination = staging / entry.name
-        if destination.exists() or destination.is_symlink() or not keep(entry.name):
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.copytree(entry, destination, symlinks=True, copy_function=_link_or_copy)
-        else:
-            _link_or_copy(entry, destination)
-
-
-def _link_or_copy(source: str | os.PathLike, destination: str | os.PathLike) -> None:
-    if os.path.islink(source):
-        os.symlink(os.readlink(source), destination)
-        return
-    try:
-        os.link(source, destination)
-    except OSError:
-        shutil.copy2(source, destination)
+    new = sorted(os.listdir(staging))
+    old = [name for name in sorted(os.listdir(target)) if not _is_temporary(name)
+           and (name in new or keep is None or not keep(name))]  # fmt: skip
+    aside = Path(tempfile.mkdtemp(prefix=INNER_ASIDE_PREFIX, dir=target))
+    moved, placed = [], []
+    with _locked(aside):
+        try:
+            for name in old:
+                os.replace(target / name, aside / name)
+                moved.append(name)
+            for name in new:
+                os.replace(staging / name, target / name)
+                placed.append(name)
+        except BaseException:
+            for name in reversed(placed):
+                os.replace(target / name, staging / name)
+            for name in reversed(moved):
+                os.replace(aside / name, target / name)
+            raise
+        finally:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, *, keep_existing: Callable[[str], bool] | None = None) -> Iterator[Path]:
-    """Yield an empty staging folder beside ``path``; once the block succeeds it replaces ``path``.
+    """Yield an empty staging folder; once the block succeeds its entries make up ``path``.
 
     Every output folder of the package (saved checkpoints, adapters, merged models, training
     checkpoints, cached model copies) is written through this, so that a run that fails or is
     interrupted half way leaves ``path`` exactly as it was, and a new folder appears whole.
 
-    ``keep_existing``: when ``path`` already exists, its entries that the block did not write and
-    that ``keep_existing(name)`` accepts are carried into the new folder (for example a README
-    the user wrote beside a checkpoint); the others (stale weight shards) go with the old folder.
-    Files get the user's normal permissions (umask), not the 0600/0700 of mkstemp/mkdtemp.
+    A new ``path`` is built in a hidden folder beside it (``.NAME.staging-*``) and renamed into
+    place. An existing ``path`` keeps its own folder (mode, owner, group, setgid bit; it may be a
+    mount point, which cannot be renamed): the output is built in a hidden folder inside it, and
+    its entries replace the old ones by renames (:func:`_swap_in`).
 
-    The swap renames the old folder aside, renames the new one into place, then deletes the old;
-    if the second rename fails the old folder is put back. Folders created for ``path``'s parent
-    are removed again on failure.
+    ``keep_existing``: when ``path`` already exists, its entries that the block did not write and
+    that ``keep_existing(name)`` accepts stay (for example a README the user wrote beside a
+    checkpoint); the others (stale weight shards) are removed. Without it, nothing old stays.
+    What the block wrote gets the user's normal permissions (umask), not the 0600/0700 of
+    mkstemp/mkdtemp. Folders created for ``path``'s parent are removed again on failure, and
+    the temporary folders of earlier runs killed while writing ``path`` are removed
+    (:func:`remove_abandoned`).
     """
-    # The real folder: a symlinked target is written where the link points (renaming the link
-    # aside would replace it by a folder), and "." or "~" name the folder the user means.
+    # The real folder: a symlinked target is written where the link points, and "." or "~" name
+    # the folder the user means.
     target = Path(os.path.realpath(Path(path).expanduser()))
     if target.exists() and not target.is_dir():
         raise ValueError(f"{target} is a file, not a folder; choose a folder path (new or existing).")
@@ -144,27 +262,25 @@ def atomic_directory(path: str | os.PathLike, *, keep_existing: Callable[[str], 
     blocking = file_in_the_way(target.parent)
     if blocking is not None:
         raise ValueError(f"Cannot create {target}: {blocking} is a file, not a folder. Choose another path.")
+    if target.is_dir() and not os.access(target, os.W_OK | os.X_OK):
+        raise PermissionError(f"{target} is not writable for you; make it writable (chmod u+w) or choose another folder.")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_dir(target.parent, f".{target.name}.staging-")
+    remove_abandoned(target)
+    fill_in_place = target.is_dir()
+    if fill_in_place:
+        staging = staging_dir(target, INNER_STAGING_PREFIX)
+    else:
+        staging = staging_dir(target.parent, hidden_prefix(target.parent, target.name, ".staging-"))
     try:
-        yield staging
-        # Only what the block wrote gets the umask's permissions: carried-over entries are hard
-        # links to the user's own files and keep their modes (a 0600 token stays 0600).
-        give_umask_permissions(staging)
-        if target.exists() and keep_existing is not None:
-            _carry_over(target, staging, keep_existing)
-        if not target.exists():
-            os.replace(staging, target)
-        else:
-            aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.rmdir(aside)
-            os.replace(target, aside)
-            try:
+        with _locked(staging):
+            yield staging
+            # Only what the block wrote gets the umask's permissions: the user's entries that stay
+            # keep their modes (a 0600 token stays 0600).
+            give_umask_permissions(staging)
+            if fill_in_place:
+                _swap_in(target, staging, keep_existing)
+            else:
                 os.replace(staging, target)
-            except BaseException:
-                os.replace(aside, target)
-                raise
-            shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         for folder in created:  # deepest first
@@ -172,4 +288,5 @@ def atomic_directory(path: str | os.PathLike, *, keep_existing: Callable[[str], 
                 folder.rmdir()
         raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if fill_in_place:
+            shutil.rmtree(staging, ignore_errors=True)

@@ -67,6 +67,16 @@ _WEIGHT_FILES = re.compile(
     r"|pytorch_model(-\d{5}-of-\d{5})?\.bin(\.index\.json)?"
     r"|adapter_config\.json|adapter_model\.(safetensors|bin))$"
 )
+# The same files as patterns for the Hub (fnmatch): a push deletes those an earlier push left,
+# since upload_folder only adds and overwrites, and transformers reads model.safetensors before
+# a shard index (an old single file would load in place of new shards).
+_WEIGHT_PATTERNS = [
+    "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
+    "pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json",
+    "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
+]  # fmt: skip
+_CARD = "README.md"
+_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,6 +97,12 @@ def _recorded_patch(model: nn.Module) -> PatchSpec:
             f"record {getattr(error, 'problem', error)} Nothing was saved; call patch_model again, then save."
         ) from None
     if recorded is None:
+        if get_patch_info(model) is not None:  # e.g. only model.model was patched: its own config holds the record
+            raise ValueError(
+                f"Only a part of this {type(model).__name__} is patched, so its own config has no "
+                f"`{config_io.RECORD_ATTRIBUTE}` record. Save the model you passed to patch_model, or patch the whole "
+                "model (patch_model(model, ...)) and save it."
+            )
         raise ValueError(
             f"{type(model).__name__} is not patched by hf_rope_ext (its config has no `{config_io.RECORD_ATTRIBUTE}` "
             "record). Call hf_rope_ext.patch_model(model, scale=..., method=...) first, or use save_pretrained for an "
@@ -111,9 +127,11 @@ def save_patched(
         model: a model patched with :func:`hf_rope_ext.patch_model` (or loaded from such a
             checkpoint). A peft model must be merged first (``merge_and_unload()``).
         save_directory: target folder; created if needed. Files other than the ones written
-            here (a README of your own) are kept; old weight shards are removed.
+            here (a README of your own) are kept; old weight shards are removed, and so is a
+            model card hf_rope_ext generated for another patch (with a warning).
         tokenizer: saved alongside; a finite ``model_max_length`` below the extended context
-            is raised to it in the saved copy (vLLM caps its maximum length by it).
+            is raised to it in the saved copy (vLLM caps its maximum length by it). Without
+            one, a ``tokenizer_config.json`` already in the folder gets the same raise.
         card: a ``huggingface_hub.ModelCard`` or markdown string written as ``README.md``
             (see :mod:`hf_rope_ext.model_card`).
         card_assets: files the card references (plots), copied next to it.
@@ -123,8 +141,8 @@ def save_patched(
             same ``rope_parameters``, giving ``rope_scaling`` priority: edit both or neither.
         **save_kwargs: passed to ``model.save_pretrained`` (e.g. ``max_shard_size``).
 
-    Everything is written to a staging folder next to the target and checked (the saved config
-    is read back and verified) before that folder replaces the target
+    Everything is written to a staging folder (beside a new target, inside an existing one) and
+    checked (the saved config is read back and verified) before its files replace the target's
     (:func:`hf_rope_ext.files.atomic_directory`), so a failure half way leaves the target as it
     was. Returns the target folder.
     """
@@ -157,10 +175,17 @@ def save_patched(
         raise ValueError(f"{target} is a file; save_patched needs a folder (new or existing).")
     entries = sorted(entry.name for entry in target.iterdir()) if target.is_dir() else []
     stale = [name for name in entries if _WEIGHT_FILES.match(name)]  # to name those removed, after the save
-    with atomic_directory(target, keep_existing=lambda name: not _WEIGHT_FILES.match(name)) as staging:
+    # A card this package generated describes the patch saved here before: stale if that differs.
+    stale_card = card_text is None and _CARD in entries and _card_of_another_patch(target, recorded)
+    if stale_card:
+        stale.append(_CARD)
+    with atomic_directory(target, keep_existing=lambda name: not (_WEIGHT_FILES.match(name) or
+                                                                  (stale_card and name == _CARD))) as staging:
         model.save_pretrained(staging, **save_kwargs)
         if tokenizer is not None:
             _save_tokenizer(tokenizer, staging, recorded.extended_context)
+        elif _TOKENIZER_CONFIG in entries:
+            _raise_kept_tokenizer_limit(target / _TOKENIZER_CONFIG, staging, recorded.extended_context)
         config_path = staging / "config.json"
         if legacy_fields:
             saved = json.loads(config_path.read_text())
@@ -176,13 +201,19 @@ def save_patched(
                     "written to the target folder."
                 )
             shutil.copyfile(asset, staging / asset.name)
-    replaced = [name for name in stale if not (target / name).exists()]
+    replaced = [name for name in stale if not (target / name).exists() and name != _CARD]
     if replaced:
         logger.warning(
             "Removed %s left in %s by an earlier save: they would load in place of, or on top of, these weights.",
             ", ".join(replaced),
             target,
         )
+    if stale_card and not (target / _CARD).exists():
+        logger.warning(
+            "Removed %s from %s: a model card hf_rope_ext generated for the patch saved there before, not for this %s "
+            "x%g patch. Write one for it with card=hf_rope_ext.model_card.render_model_card(model, ...)[0].",
+            _CARD, target, recorded.method, recorded.scale,
+        )  # fmt: skip
     logger.info(
         "Saved %s (%s, scale %g, context %d -> %d) to %s.",
         type(model).__name__,
@@ -234,6 +265,40 @@ def _card_assets(card_assets: Any) -> list[Path]:
     return assets
 
 
+def _card_of_another_patch(folder: Path, recorded: PatchSpec) -> bool:
+    """True when ``folder``'s README.md is a card hf_rope_ext generated (its metadata has the
+    ``hf-rope-ext`` tag) and the checkpoint there records another patch than ``recorded``."""
+    from huggingface_hub import metadata_load
+
+    try:
+        tags = (metadata_load(folder / _CARD) or {}).get("tags") or []
+        previous = json.loads((folder / "config.json").read_text(encoding="utf-8")).get(config_io.RECORD_ATTRIBUTE)
+    except Exception:  # a README or config of the user's own, in whatever form: not ours to judge
+        return False
+    if not isinstance(tags, list) or "hf-rope-ext" not in tags:
+        return False
+
+    def patch_of(record: Any) -> Any:  # the record less the version of the package that wrote it
+        return {key: value for key, value in record.items() if key != "version"} if isinstance(record, dict) else record
+
+    return patch_of(previous) != patch_of(json.loads(json.dumps(recorded.to_record(), default=config_io.json_value)))
+
+
+def _raise_kept_tokenizer_limit(kept: Path, staging: Path, extended: int) -> None:
+    """Write into ``staging`` a copy of the folder's ``tokenizer_config.json`` whose finite
+    ``model_max_length`` below ``extended`` is raised to it, as :func:`_save_tokenizer` does: an
+    earlier save may have raised it for a shorter extended context, and vLLM caps its length by it."""
+    try:
+        settings = json.loads(kept.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # not a tokenizer config this could read: left as it is
+    previous = settings.get("model_max_length") if isinstance(settings, dict) else None
+    if isinstance(previous, int) and not isinstance(previous, bool) and previous < extended:
+        settings["model_max_length"] = extended
+        (staging / kept.name).write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        logger.info("Raised model_max_length in %s from %d to the extended context %d.", kept, previous, extended)
+
+
 def _save_tokenizer(tokenizer: Any, folder: Path, extended: int) -> None:
     previous = getattr(tokenizer, "model_max_length", None)
     raise_limit = isinstance(previous, int) and previous < extended
@@ -277,7 +342,10 @@ def push_patched_to_hub(
     """:func:`save_patched` into a temporary folder, then upload it as one commit.
 
     ``api`` defaults to ``huggingface_hub.HfApi()``; the repository is created if missing.
-    Returns the ``CommitInfo`` of the upload.
+    Weight files an earlier push left in the repository (``model*.safetensors``, shard
+    indexes, ``pytorch_model*.bin``, adapter files) are deleted in the same commit, as
+    :func:`save_patched` does locally; other files (a README, tokenizer files) are overwritten
+    by the new ones where given and otherwise left. Returns the ``CommitInfo`` of the upload.
     """
     if api is None:
         from huggingface_hub import HfApi
@@ -298,6 +366,7 @@ def push_patched_to_hub(
             token=token,
             revision=revision,
             create_pr=create_pr,
+            delete_patterns=_WEIGHT_PATTERNS,
         )
 
 
@@ -408,7 +477,9 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
         config_kwargs = {key: from_pretrained_kwargs[key] for key in _CONFIG_KWARGS if key in from_pretrained_kwargs}
         config = read_checked_config(name_or_path, **config_kwargs)
     recorded = config_io.verify_record(config)
-    with config_io.restoring_patch() if restore else contextlib.nullcontext():
+    # Without a record there is nothing to restore: from_pretrained's own warnings (an
+    # attention-level rope_type it rebuilds the frequencies of only) must reach the user.
+    with config_io.restoring_patch() if restore and recorded is not None else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, **from_pretrained_kwargs)
     if recorded is None:
         logger.info("%s has no hf_rope_ext record; loaded as transformers reads it.", name_or_path)

