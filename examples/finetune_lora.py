@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         summary = finetune(config)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, TypeError, OSError) as error:  # bad input (settings, a missing file, an unreadable dataset)
         print(f"error: {error}", file=sys.stderr)
         return 2
     except FloatingPointError as error:  # the loss became nan/inf: a failed run, not bad input

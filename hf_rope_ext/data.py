@@ -116,11 +116,14 @@ def iter_dataset_texts(name: str, split: str = "test", text_field: str = "text",
         first = next(rows, None)  # streaming datasets connect on the first row
     except Exception as error:  # offline (ConnectionError), unknown name, wrong split or config, ...
         message = " ".join(str(error).split()).rstrip(".")
-        raise OSError(
-            f"Dataset {name!r} (split {split!r}) could not be read: {type(error).__name__}: {message}. Datasets are "
-            "streamed from the Hugging Face Hub, which needs a network connection; pass local files with "
-            "--text-files instead."
-        ) from error
+        if Path(name).exists():  # a local folder: the Hub is not involved
+            hint = "Check the folder's splits (--dataset-split) and configuration (--dataset-config)."
+        elif name.startswith(("/", ".", "~")):  # a path, not a Hub id
+            hint = "There is no such local folder; check the path."
+        else:
+            hint = ("Datasets are streamed from the Hugging Face Hub, which needs a network connection; pass local "
+                    "files with --text-files instead.")
+        raise OSError(f"Dataset {name!r} (split {split!r}) could not be read: {type(error).__name__}: {message}. {hint}") from error
     if first is not None and text_field not in first:
         raise ValueError(
             f"Dataset {name} has no field {text_field!r}; its fields are {sorted(first)}. Pass one of them with "

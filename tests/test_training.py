@@ -7,6 +7,7 @@ forms of the PoSE scheme, and uninterrupted / single-process runs for resumed / 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -524,7 +525,8 @@ def check_before_training(config: FinetuneConfig) -> None:
     config.validate()
     check_environment(config)
     check_output_dir(config)
-    resolve_lengths(config, make_config("llama"))
+    model_config = make_config("llama")
+    model_module.check_patch(config, resolve_lengths(config, model_config), model_config)
 
 
 @pytest.mark.parametrize(
@@ -565,6 +567,64 @@ def test_bad_input_is_refused_before_training(tiny_model, varied_text, tmp_path,
     with pytest.raises(ValueError, match=message):
         check_before_training(config_for(tiny_model, output, varied_text, **overrides))
     assert not output.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # --method-params: found by patch_model only after the weights had loaded
+        (dict(method_params='{"beta_fast": NaN}'), "beta_fast.*finite number"),
+        (dict(method_params='{"beta_fast": "abc"}'), "beta_fast.*finite number"),
+        (dict(method_params='{"nonsense": 1}'), "Unknown parameter"),
+        (dict(method_params='{"beta_fast": -5}'), "beta_fast > beta_slow"),
+        (dict(method="self-extend", method_params='{"group_size": 0}'), "group_size"),
+        (dict(method_params='{"scale": 2}'), "cannot hold 'scale' \\(set with --scale\\)"),
+        (dict(method_params=["beta_fast"]), "JSON object as a string or a dict"),
+        # dataset settings do nothing with text files
+        (dict(dataset_limit=5), "--dataset-limit only apply to --dataset"),
+        (dict(dataset_split="nope", dataset_config="zzz", text_field="body"),
+         "--dataset-config, --dataset-split, --text-field only apply to --dataset"),
+        # wrong types from Python, once accepted (pose="no" turned PoSE on) or a raw TypeError
+        (dict(pose="no"), "--pose must be True or False"),
+        (dict(shuffle=0), "--shuffle must be True or False"),
+        (dict(save_steps=float("nan")), "--save-steps must be an integer"),
+        (dict(save_steps="2"), "--save-steps must be an integer"),
+        (dict(warmup_steps=True), "--warmup-steps must be an integer"),
+        (dict(text_files=None, dataset="some/dataset", dataset_limit=2.5), "--dataset-limit"),
+        (dict(lora_dropout="0.1"), "dropout"),
+        (dict(lora_dropout=float("nan")), "dropout"),
+        (dict(window="3"), "--window"),
+    ],
+)
+def test_bad_settings_are_refused_before_the_model_loads(tiny_model, varied_text, tmp_path, monkeypatch, overrides, message):
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(trainer_module, "build_model", load)
+    output = tmp_path / "run"
+    with pytest.raises((ValueError, TypeError), match=message):
+        finetune(config_for(tiny_model, output, varied_text, **overrides))
+    assert not output.exists()
+
+
+def test_method_params_may_be_a_dict_from_python(tiny_model, varied_text, tmp_path):
+    as_json = config_for(tiny_model, tmp_path / "a", varied_text, method_params='{"beta_fast": 16}')
+    as_dict = config_for(tiny_model, tmp_path / "b", varied_text, method_params={"beta_fast": 16})
+    as_dict.validate()
+    assert as_dict.parsed_method_params() == as_json.parsed_method_params() == {"beta_fast": 16}
+
+
+def test_finished_run_without_checkpoint_is_refused_without_sending_the_user_in_a_circle(tiny_model, varied_text, tmp_path):
+    """A run made without --save-steps (or killed while writing merged/) has outputs but no
+    checkpoint: --resume cannot continue it, so neither refusal may advise the other."""
+    output = tmp_path / "run"
+    (output / "adapter").mkdir(parents=True)
+    with pytest.raises(ValueError) as fresh:
+        check_output_dir(config_for(tiny_model, output, varied_text))
+    with pytest.raises(ValueError) as resumed:
+        check_output_dir(config_for(tiny_model, output, varied_text, resume=True))
+    assert "new --output-dir" in str(fresh.value) and "--resume" not in str(fresh.value)
+    assert "cannot be continued" in str(resumed.value) and "without --resume" not in str(resumed.value)
 
 
 def test_pose_window_of_three_is_the_smallest_with_a_label_in_every_example():
@@ -734,6 +794,71 @@ def test_merged_checkpoint_is_saved_like_save_patched(tmp_path, varied_text):
 # -- several processes --------------------------------------------------------------------------------------
 
 
+class OneProcess:
+    """The part of accelerate's Accelerator that train_step uses, for one CPU process."""
+
+    num_processes, process_index, device = 1, 0, torch.device("cpu")
+
+    def no_sync(self, model):
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
+
+
+@pytest.mark.parametrize("method", ["dynamic-yarn", "self-extend-yarn"])
+def test_each_pose_window_of_a_micro_batch_trains_at_its_own_length(tiny_model, varied_text, tmp_path, method):
+    """A length-dependent method takes its frequencies (self-extend-yarn: also its regime) from
+    the length of the forward. In a micro-batch of 2 PoSE windows, each must be trained as a
+    sequence of its own length max(position_ids) + 1: reference, per window, a float64 full
+    forward of that length with the tokens of the position gap masked out."""
+    model = make_model("llama", attn_implementation="eager").double()
+    patch_model(model, 4, method)
+    settle = model.model.rotary_emb.settle_length  # None for dynamic-yarn
+    windows = PackedWindows([torch.randint(3, 128, (600,), generator=torch.Generator().manual_seed(0))], L0,
+                            target_length=4 * L0, pose=True, seed=0)
+    ends = {index: int(windows.example(index)["position_ids"][-1]) + 1 for index in range(60)}
+    # A short window (beyond L0, below the settle length) batched with a longer one (beyond it).
+    boundary = settle if settle else 2 * L0
+    short = next(i for i, end in ends.items() if L0 < end <= boundary)
+    long = next(i for i, end in ends.items() if end > boundary + 8)
+
+    reference, label_tokens = torch.zeros((), dtype=torch.float64), 0
+    for index in (short, long):
+        example = windows.example(index)
+        positions, length = example["position_ids"], int(example["position_ids"][-1]) + 1
+        input_ids = torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(index))
+        input_ids[0, positions] = example["input_ids"]
+        mask = torch.zeros(1, length, dtype=torch.long)
+        mask[0, positions] = 1
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits[0, positions]
+        labels = example["labels"][1:]
+        reference += F.cross_entropy(logits[:-1], labels, ignore_index=-100, reduction="sum")
+        label_tokens += int((labels != -100).sum())
+    reference /= label_tokens
+
+    config = config_for(tiny_model, tmp_path, varied_text, method=method, per_device_batch_size=2)
+    loss = trainer_module.train_step(OneProcess(), model, windows, [short, long], 2, False,
+                                     one_window_per_forward=trainer_module.needs_one_window_per_forward(config))
+    # float64 model, but transformers takes the cross-entropy of float32 logits
+    assert float(loss) == pytest.approx(float(reference), rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["dynamic-yarn", "self-extend-yarn"])
+def test_batch_of_two_equals_two_accumulated_windows_for_length_dependent_methods(tiny_model, varied_text, tmp_path, method):
+    """The update does not depend on how a step is split, for methods whose frequencies follow
+    the length too: batch 2 against 2 micro-batches of 1 (each window alone in its forward)."""
+    batched = finetune(config_for(tiny_model, tmp_path / "batch", varied_text, method=method, max_steps=3,
+                                  per_device_batch_size=2, save_merged=False))
+    accumulated = finetune(config_for(tiny_model, tmp_path / "accumulated", varied_text, method=method, max_steps=3,
+                                      gradient_accumulation_steps=2, save_merged=False))
+    assert batched["losses"] == pytest.approx(accumulated["losses"], rel=1e-5)
+    ours, theirs = adapter_weights(tmp_path / "batch"), adapter_weights(tmp_path / "accumulated")
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=1e-4)
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -808,6 +933,27 @@ def test_example_script_reports_a_diverged_run_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(script, "finetune", diverge)
     assert script.main(SCRIPT_ARGUMENTS) == 1
     assert capsys.readouterr().err == "error: The loss became nan at step 3; lower --learning-rate or check the data.\n"
+
+
+def test_example_script_reports_bad_method_params_and_unreadable_datasets_in_one_line(tiny_model, tmp_path, capsys):
+    pytest.importorskip("datasets")
+    script = load_example_script()
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(json.dumps({"text": "harbor lantern " * 40}) + "\n")
+    text = tmp_path / "text.txt"
+    text.write_text("harbor lantern " * 40)
+    common = ["--model", str(tiny_model), "--scale", "4", "--pose", "--max-steps", "1", "--attn-implementation", "eager"]
+    cases = [
+        (["--text-files", str(text), "--method-params", '{"beta_fast": "abc"}'], "finite number", None),
+        (["--dataset", str(folder), "--dataset-split", "test"], "Check the folder's splits", "Hugging Face Hub"),
+        (["--dataset", str(tmp_path / "no-such-folder")], "no such local folder", "Hugging Face Hub"),
+    ]
+    for number, (arguments, message, absent) in enumerate(cases):
+        assert script.main([*common, *arguments, "--output-dir", str(tmp_path / f"run{number}")]) == 2
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert error.startswith("error: ") and message in error
+        assert absent is None or absent not in error
 
 
 @pytest.mark.parametrize("method, needs_load_patched", [

@@ -35,6 +35,16 @@ __all__ = ["FinetuneConfig", "Lengths", "SCHEDULERS", "add_finetune_arguments", 
 
 SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
+# On/off settings: a string such as "no" would be truthy.
+SWITCHES = ("skip_short_documents", "shuffle", "pose", "train_embeddings", "train_norms", "bf16", "gradient_checkpointing",
+            "load_in_4bit", "resume", "save_merged")
+# The dataset settings and their defaults: with --text-files they would do nothing.
+DATASET_SETTINGS = {"dataset_config": None, "dataset_split": "train", "text_field": "text", "dataset_limit": None}
+
+
+def is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 def flag(name: str) -> str:
     """The command-line spelling of a setting: ``warmup_steps`` -> ``--warmup-steps``."""
@@ -94,7 +104,7 @@ class FinetuneConfig:
 
     def validate(self) -> None:
         """Checks that need neither the model, the data nor the machine; raises ``ValueError``
-        (``FileNotFoundError`` for a missing text file) naming the fix.
+        (``TypeError`` for a wrong type, ``FileNotFoundError`` for a missing text file) naming the fix.
 
         The optional packages and the GPU are checked by
         :func:`hf_rope_ext.training.environment.check_environment`.
@@ -110,6 +120,13 @@ class FinetuneConfig:
             raise ValueError("No training text: give --text-files FILE [FILE ...] or --dataset NAME.")
         if self.text_files and self.dataset:
             raise ValueError("Give either --text-files or --dataset, not both.")
+        if self.text_files:
+            given = [flag(name) for name, default in DATASET_SETTINGS.items() if getattr(self, name) != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to --dataset; drop them when training on --text-files.")
+        for name in SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{flag(name)} must be True or False, got {getattr(self, name)!r}.")
         missing = [str(path) for path in self.text_files or [] if not Path(path).is_file()]
         if missing:
             raise FileNotFoundError(f"Text file not found: {', '.join(missing)} (given with --text-files).")
@@ -120,8 +137,9 @@ class FinetuneConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{flag(name)} must be a positive integer, got {value!r}.")
         for name in ("save_steps", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{flag(name)} must be >= 0, got {getattr(self, name)}.")
+            value = getattr(self, name)
+            if not is_integer(value) or value < 0:
+                raise ValueError(f"{flag(name)} must be an integer >= 0, got {value!r}.")
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"--warmup-steps ({self.warmup_steps}) must be smaller than --max-steps ({self.max_steps}).")
         # NaN passes every comparison's negation and inf only fails later, inside the optimizer.
@@ -137,11 +155,11 @@ class FinetuneConfig:
             raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay!r}.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(f"--seed must be an integer in [0, 2**32), got {self.seed!r}.")
-        if self.dataset_limit is not None and self.dataset_limit < 1:
-            raise ValueError(f"--dataset-limit must be a positive number of rows, got {self.dataset_limit}.")
+        if self.dataset_limit is not None and (not is_integer(self.dataset_limit) or self.dataset_limit < 1):
+            raise ValueError(f"--dataset-limit must be a positive number of rows, got {self.dataset_limit!r}.")
         self.lora_settings().validate()
-        if self.window is not None and self.window < 2:
-            raise ValueError(f"--window must be at least 2 tokens, got {self.window}.")
+        if self.window is not None and (not is_integer(self.window) or self.window < 2):
+            raise ValueError(f"--window must be an integer of at least 2 tokens, got {self.window!r}.")
         get_method(self.method)  # raises with the list of methods
         self.parsed_method_params()
         if self.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
@@ -150,8 +168,15 @@ class FinetuneConfig:
             logger.warning("--save-steps %d is beyond --max-steps %d: no intermediate checkpoint will be written.", self.save_steps, self.max_steps)
 
     def parsed_method_params(self) -> dict[str, Any]:
+        """The method's own parameters: ``method_params`` is a JSON object or, from Python, a dict."""
         if not self.method_params:
             return {}
+        if isinstance(self.method_params, dict):
+            return dict(self.method_params)
+        if not isinstance(self.method_params, str):
+            raise TypeError(
+                f"method_params must be a JSON object as a string or a dict, got {type(self.method_params).__name__}."
+            )
         try:
             params = json.loads(self.method_params)
         except json.JSONDecodeError as error:

@@ -51,7 +51,7 @@ class LoraSettings:
             raise ValueError(f"LoRA alpha (--lora-alpha) must be a finite number > 0, got {self.alpha!r}.")
         if isinstance(self.target_modules, (str, bytes)):  # would be read character by character
             raise TypeError(f"target_modules must be a list, e.g. [{self.target_modules!r}], got a single string.")
-        if not 0 <= self.dropout < 1:
+        if not is_finite(self.dropout) or not 0 <= self.dropout < 1:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}.")
 
 

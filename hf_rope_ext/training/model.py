@@ -16,7 +16,7 @@ from ..spec import PatchSpec
 from .config import FinetuneConfig, Lengths
 from .lora import LoraSettings, apply_lora
 
-__all__ = ["ROPE_PATCH_FILE", "build_model", "load_adapter_model", "merge_adapter", "needs_load_patched", "rope_patch_record"]
+__all__ = ["ROPE_PATCH_FILE", "build_model", "check_patch", "load_adapter_model", "merge_adapter", "needs_load_patched", "rope_patch_record"]
 
 ROPE_PATCH_FILE = "rope_patch.json"
 
@@ -88,6 +88,37 @@ def merge_adapter(base_model: str, adapter_dir: str | os.PathLike, *, dtype: str
     """
     peft_model, tokenizer = load_adapter_model(base_model, adapter_dir, dtype=dtype)
     return peft_model.merge_and_unload(), tokenizer
+
+
+# patch_model arguments the run sets from its own flags.
+_SET_BY_FLAGS = {"scale": "--scale", "max_length": "--target-length", "original_max_length": "--original-context",
+                 "method": "--method"}
+
+
+def check_patch(config: FinetuneConfig, lengths: Lengths, model_config) -> None:
+    """The patch :func:`build_model` will make, checked from the model's config alone, so that
+    bad ``--method-params`` are refused before the weights are loaded (``ValueError``/``TypeError``)."""
+    from ..compat import rope_parameters
+    from ..config_io import rotary_dim_of
+    from ..methods import checked_frequencies
+
+    params = config.parsed_method_params()
+    taken = [f"{key!r} (set with {flag})" for key, flag in _SET_BY_FLAGS.items() if key in params]
+    if taken:
+        raise ValueError(f"--method-params cannot hold {', '.join(taken)}.")
+    rope = rope_parameters(model_config)
+    try:
+        spec = PatchSpec.create(config.method, lengths.scale, original_max_length=lengths.original,
+                                rope_theta=rope["rope_theta"], rotary_dim=rotary_dim_of(model_config, rope), **params)
+        # What patch_model adds to the spec's checks: the attention remaps and the frequencies.
+        method, resolved = spec.rope_method, spec.resolved_params()
+        for remap in (method.attention, method.attention_below_settle):
+            if remap is not None:
+                remap(resolved)
+        checked_frequencies(method, spec.rotary_dim, spec.original_rope_theta, resolved, spec.extended_context)
+    except (ValueError, TypeError, ArithmeticError) as error:
+        kind = TypeError if isinstance(error, TypeError) else ValueError
+        raise kind(f"--method-params {json.dumps(params)}: {error}") from None
 
 
 def build_model(config: FinetuneConfig, model_path: str, lengths: Lengths, device: torch.device, bf16: bool):

@@ -45,7 +45,8 @@ __all__ = [
 SUMMARY_FILE = "training_summary.json"
 LOG_FILE = "train_log.jsonl"
 # Parts of the names atomic_directory, save_patched and save_checkpoint give their temporary
-# folders (".<name>.staging-XXXX"). Not ".old-": a run killed mid-swap may have only that copy.
+# folders (".<name>.staging-XXXX" beside a new folder, ".hf_rope_ext.staging-XXXX" inside an existing
+# one). Not ".old-": a run killed mid-swap may have only that copy.
 STAGING_MARKERS = (".staging-", ".saving-")
 
 logger = logging.getLogger(__name__)
@@ -72,14 +73,24 @@ def check_output_dir(config: FinetuneConfig) -> Path | None:
     latest = ckpt.latest_checkpoint(checkpoints)
     finished = [name for name in ("adapter", "merged", SUMMARY_FILE) if (output_dir / name).exists()]
     if config.resume:
+        if latest is None and finished:  # a run made without --save-steps: nothing to continue from
+            raise ValueError(
+                f"--resume: {output_dir} holds a run ({', '.join(finished)}) but no checkpoint in {checkpoints} (run "
+                "without --save-steps, or its checkpoints were deleted), so it cannot be continued. Choose a new "
+                "--output-dir; nothing is overwritten."
+            )
         if latest is None:
             raise ValueError(f"--resume: no checkpoint in {checkpoints}. Run without --resume to start afresh.")
         return latest
-    if latest is not None or finished:
-        found = [latest.name] if latest is not None else finished
+    if latest is not None:
         raise ValueError(
-            f"{output_dir} already holds a run ({', '.join(found)}). Pass --resume to continue it from its newest "
+            f"{output_dir} already holds a run ({latest.name}). Pass --resume to continue it from its newest "
             "checkpoint, or choose a new --output-dir; nothing is overwritten."
+        )
+    if finished:
+        raise ValueError(
+            f"{output_dir} already holds a run ({', '.join(finished)}) without a checkpoint to continue from. Choose a "
+            "new --output-dir; nothing is overwritten."
         )
     return None
 

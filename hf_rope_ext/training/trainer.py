@@ -41,11 +41,12 @@ from typing import Any
 import torch
 
 from ..files import atomic_write_json
+from ..methods import get_method
 from . import checkpoint as ckpt
 from .config import SCHEDULERS, FinetuneConfig, Lengths, resolve_lengths
 from .environment import check_environment, make_accelerator
 from .lora import LoraSettings
-from .model import build_model, load_adapter_model, merge_adapter
+from .model import build_model, check_patch, load_adapter_model, merge_adapter
 from .outputs import (
     LOG_FILE,
     SUMMARY_FILE,
@@ -99,12 +100,19 @@ def count_label_tokens(windows: PackedWindows, sample_indices: list[int]) -> int
     return sum(int((windows.example(index)["labels"][1:] != IGNORE_INDEX).sum()) for index in sample_indices)
 
 
-def train_step(accelerator, model, windows: PackedWindows, step_indices: list[int], micro: int, bf16: bool) -> torch.Tensor:
+def train_step(accelerator, model, windows: PackedWindows, step_indices: list[int], micro: int, bf16: bool,
+               one_window_per_forward: bool = False) -> torch.Tensor:
     """Forward and backward over this process's share of one step; returns its share of the loss.
 
     The loss is the sum of the cross-entropy over every label token of the step (all processes,
     all micro-batches) divided by their number, so the update does not depend on how the step
     is split. DDP averages gradients over processes, hence the factor ``world``.
+
+    ``one_window_per_forward``: run every example of a micro-batch as its own forward. A
+    length-dependent method takes its frequencies (and, for self-extend-yarn and the ``*-dca``
+    methods, its attention regime) from the largest position id of a forward; PoSE windows end
+    at different positions, so in a shared forward each would get those of the longest one.
+    The summed losses keep the weighting above (each divided by the step's label tokens).
     """
     world, rank = accelerator.num_processes, accelerator.process_index
     accumulation = len(step_indices) // (world * micro)
@@ -115,17 +123,27 @@ def train_step(accelerator, model, windows: PackedWindows, step_indices: list[in
             "the first chunk): use a longer --window (at least 3 tokens with --pose)."
         )
     label_tokens = torch.tensor(label_tokens, device=accelerator.device)
-    loss_share = torch.zeros((), device=accelerator.device)
+    forwards = []  # the example indices of each forward of this process
     for micro_step in range(accumulation):
         offset = (micro_step * world + rank) * micro
-        batch = {key: value.to(accelerator.device) for key, value in windows.batch(step_indices[offset : offset + micro]).items()}
-        sync = contextlib.nullcontext() if micro_step == accumulation - 1 else accelerator.no_sync(model)
+        micro_batch = step_indices[offset : offset + micro]
+        forwards.extend([[index] for index in micro_batch] if one_window_per_forward else [micro_batch])
+    loss_share = torch.zeros((), device=accelerator.device)
+    for number, indices in enumerate(forwards):
+        batch = {key: value.to(accelerator.device) for key, value in windows.batch(indices).items()}
+        # DDP averages the gradients once, in the last backward of the step.
+        sync = contextlib.nullcontext() if number == len(forwards) - 1 else accelerator.no_sync(model)
         with sync:
             with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = model(**batch, num_items_in_batch=label_tokens).loss
             accelerator.backward(loss * world)
         loss_share += loss.detach()
     return loss_share
+
+
+def needs_one_window_per_forward(config: FinetuneConfig) -> bool:
+    """PoSE windows of a length-dependent method each need a forward of their own (see :func:`train_step`)."""
+    return config.pose and config.per_device_batch_size > 1 and get_method(config.method).length_dependent
 
 
 @dataclass
@@ -181,6 +199,7 @@ def prepare_run(config: FinetuneConfig) -> TrainingRun:
     model_path = resolve_model_path(config.model)
     model_config = read_base_config(config.model, model_path)
     lengths = resolve_lengths(config, model_config)
+    check_patch(config, lengths, model_config)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     documents, names = load_documents(config, tokenizer)
     windows = PackedWindows(
@@ -306,6 +325,10 @@ def train(run: TrainingRun, model, unwrapped) -> None:
         config.model, config.method, lengths.scale, lengths.original, lengths.target, config.max_steps,
         run.global_batch, lengths.window, " (PoSE)" if config.pose else "", accelerator.num_processes,
     )
+    per_window = needs_one_window_per_forward(config)
+    if per_window:
+        logger.info("%s is length-dependent: each PoSE window runs as its own forward, with the frequencies of its own "
+                    "length.", config.method)
     model.train()
     bar = tqdm(total=config.max_steps, initial=progress.step, desc="fine-tuning", unit="step", disable=not run.main, dynamic_ncols=True)
     run_started, run_start_tokens = time.perf_counter(), progress.tokens_seen
@@ -313,7 +336,8 @@ def train(run: TrainingRun, model, unwrapped) -> None:
         step_started = time.perf_counter()
         first = progress.step * run.global_batch
         step_indices = list(range(first, first + run.global_batch))
-        loss_share = train_step(accelerator, model, run.windows, step_indices, config.per_device_batch_size, run.bf16)
+        loss_share = train_step(accelerator, model, run.windows, step_indices, config.per_device_batch_size, run.bf16,
+                                one_window_per_forward=per_window)
         if config.max_grad_norm > 0:
             accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         run.optimizer.step()
