@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import resource
 import time
 from pathlib import Path
@@ -41,12 +40,42 @@ from hf_rope_ext.cli import one_line
 from hf_rope_ext.data import read_text, tokenize
 from hf_rope_ext.evaluation.perplexity import bucket_perplexity
 from hf_rope_ext.evaluation.documents import document_hash
-from hf_rope_ext.evaluation.records import check_output_dir, check_same_model, read_records
+from hf_rope_ext.evaluation.records import (
+    append_record,
+    check_output_dir,
+    check_same_model,
+    check_script_results,
+    read_records,
+    records_without_cut_line,
+)
 from hf_rope_ext.evaluation.runner import model_fingerprint
 from hf_rope_ext.files import atomic_write_text
 from hf_rope_ext.loading import load_model
 
 logger = logging.getLogger("compare_configurations")
+
+
+def results_tables(rows: list[dict]) -> list[str]:
+    """One markdown table per set of range edges (the columns differ), rows in file order."""
+    base = {(r["length"], r.get("dtype", "fp32")): r["seconds"] for r in rows if r["config"] == "none"}
+    by_edges: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by_edges.setdefault(tuple(r["edges"]), []).append(r)
+    lines = []
+    for edges, group in by_edges.items():
+        if lines:
+            lines.append("")
+        lines += ["| config | scale | length | dtype | " + " | ".join(f"ppl {a}-{b}" for a, b in zip(edges, edges[1:]))
+                  + " | seconds | time vs none | peak memory GiB |",
+                  "|---|---|---|---|" + "---|" * (len(edges) - 1) + "---|---|---|"]
+        for r in group:
+            none = base.get((r["length"], r.get("dtype", "fp32")))
+            ratio = f"{r['seconds'] / none:.2f}" if none else ""
+            memory = r.get("peak_gpu_gib", r.get("peak_rss_gib"))
+            lines.append(f"| {r['config']} | {r['scale']:g} | {r['length']} | {r.get('dtype', 'fp32')} | "
+                         + " | ".join(f"{p:.2f}" for p in r["ppl"])
+                         + f" | {r['seconds']:.1f} | {ratio} | {'' if memory is None else f'{memory:.2f}'} |")
+    return lines
 
 
 def main() -> None:
@@ -95,12 +124,16 @@ def run(parser) -> None:
             parser.error(f"--ranges takes comma-separated whole numbers of tokens, got {args.ranges!r}")
         if edges[0] != 0 or edges[-1] != args.length or any(b <= a for a, b in zip(edges, edges[1:])):
             parser.error(f"--ranges must rise strictly from 0 to --length {args.length}, got {args.ranges!r}")
+        if edges[1] < 2:  # position 0 is never scored (it has no context), so [0, 1) holds no token
+            parser.error(f"--ranges: the first range [0, {edges[1]}) scores no token (position 0 is never "
+                         f"predicted); start the second edge at 2 or more, got {args.ranges!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     output = Path(args.output_dir)
     check_output_dir(output)
     results_path = output / "results.jsonl"
-    stored = read_records(results_path)
+    stored = records_without_cut_line(results_path)  # drops a line cut by an interrupted append from the file
+    check_script_results(stored, results_path)  # an hf-rope-ext eval folder: refused before the model loads
     done = {record.get("key"): record for record in stored}
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
@@ -149,7 +182,7 @@ def run(parser) -> None:
         finally:
             if method != "none":
                 unpatch_model(model)
-        ppl = [math.exp(total / count) for total, count in zip(result.nll_sums, result.token_counts)]
+        ppl = [ppl for _, _, ppl in result.bucket_ppls()]  # NaN for a range without scored tokens
         record = {"key": key, "config": spec, "scale": args.scale, "length": args.length, "edges": edges,
                   "ppl": ppl, "seconds": seconds,
                   # the process's peak resident memory so far (Linux: KiB), an upper bound for this forward
@@ -158,24 +191,11 @@ def run(parser) -> None:
                   "text": Path(args.text_file).name, "document_sha256": text_hash}
         if device.type == "cuda":  # this forward's own peak (the counter was reset before it)
             record["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        # An interrupted run can leave a last line without its newline: start on a fresh line.
-        fresh_line = not results_path.exists() or results_path.read_bytes()[-1:] in (b"", b"\n")
-        with results_path.open("a") as handle:
-            handle.write(("" if fresh_line else "\n") + json.dumps(record) + "\n")
+        append_record(results_path, record)
         done[key] = record
         logger.info("%s: %s (%.0f s)", spec, ", ".join(f"{p:.2f}" for p in ppl), seconds)
 
-    rows = read_records(results_path)
-    base = {r["length"]: r["seconds"] for r in rows if r["config"] == "none"}
-    lines = ["| config | scale | length | dtype | " + " | ".join(f"ppl {a}-{b}" for a, b in zip(edges, edges[1:]))
-             + " | seconds | time vs none | peak memory GiB |",
-             "|---|---|---|---|" + "---|" * (len(edges) - 1) + "---|---|---|"]
-    for r in rows:
-        ratio = f"{r['seconds'] / base[r['length']]:.2f}" if r["length"] in base else ""
-        memory = r.get("peak_gpu_gib", r.get("peak_rss_gib"))
-        lines.append(f"| {r['config']} | {r['scale']:g} | {r['length']} | {r.get('dtype', 'fp32')} | "
-                     + " | ".join(f"{p:.2f}" for p in r["ppl"])
-                     + f" | {r['seconds']:.1f} | {ratio} | {'' if memory is None else f'{memory:.2f}'} |")
+    lines = results_tables(read_records(results_path))
     atomic_write_text(output / "table.md", "\n".join(lines) + "\n")
     logger.info("\n%s", "\n".join(lines))
 

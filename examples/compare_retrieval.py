@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import time
 from pathlib import Path
@@ -38,7 +37,14 @@ from hf_rope_ext.arguments import (
 )
 from hf_rope_ext.auto import check_configurations, parse_configuration
 from hf_rope_ext.cli import one_line
-from hf_rope_ext.evaluation.records import check_output_dir, check_same_model, load_records, read_records
+from hf_rope_ext.evaluation.records import (
+    append_record,
+    check_output_dir,
+    check_same_model,
+    check_script_results,
+    read_records,
+    records_without_cut_line,
+)
 from hf_rope_ext.evaluation.retrieval import TASKS, grade, greedy_generate, make_trial, trial_seed
 from hf_rope_ext.evaluation.runner import model_fingerprint
 from hf_rope_ext.files import atomic_write_text
@@ -58,24 +64,6 @@ def _floats(text: str, name: str, parser) -> list[float]:
     if not values:
         parser.error(f"{name} is empty")
     return values
-
-
-def append_record(path: Path, record: dict) -> None:
-    """Append one JSON line and flush it to disk; never glue it onto a last line without its newline."""
-    fresh_line = not path.exists() or path.read_bytes()[-1:] in (b"", b"\n")
-    with path.open("a") as handle:
-        handle.write(("" if fresh_line else "\n") + json.dumps(record) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def records_without_cut_line(path: Path) -> list[dict]:
-    """The records of a JSON-lines file; a last line cut off by an interrupted write is dropped from
-    the file too (it is logged by the reader), so that the next append does not leave it inside."""
-    records, skipped = load_records(path)
-    if skipped is not None:
-        atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in records))
-    return records
 
 
 def _stored_trial(stored: dict, answer: str, needs_logprob: bool) -> dict | None:
@@ -161,6 +149,12 @@ def run(parser) -> None:
     if trials_path.exists() and not trials_path.is_file():
         parser.error(f"{trials_path} is not a file; remove it or use another --output-dir")
     stored, stored_trials = records_without_cut_line(results_path), records_without_cut_line(trials_path)
+    check_script_results(stored, results_path)  # before the model loads
+    check_script_results(stored_trials, trials_path)
+    for number, record in enumerate(stored, start=1):  # the fields the table reads, before the model loads
+        if not isinstance(record.get("trials"), list) or not all(isinstance(trial, dict) for trial in record["trials"]):
+            parser.error(f"{results_path}: record {number} has no list of trials (field 'trials', got "
+                         f"{record.get('trials')!r}); fix or remove that line, or use another --output-dir")
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
     name, fingerprint = model_label(args.model), model_fingerprint(model)

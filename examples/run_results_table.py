@@ -34,16 +34,15 @@ The underscore spellings of earlier versions (``--text_file``, ``--ppl_lengths``
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 
 from hf_rope_ext import DEFAULT_METHOD
 from hf_rope_ext.cli import one_line
 from hf_rope_ext.evaluation import EvalPlan, run_evaluation
 from hf_rope_ext.evaluation.cli import _native_context, float_list, int_list, name_list
-from hf_rope_ext.evaluation.report import comparison_table, state_label
+from hf_rope_ext.evaluation.report import comparison_table, state_label, summarize
 from hf_rope_ext.evaluation.documents import documents_from_files
-from hf_rope_ext.evaluation.records import check_output_dir, parse_steps_per_doubling, recorded_steps
+from hf_rope_ext.evaluation.records import check_output_dir, parse_steps_per_doubling
 from hf_rope_ext.arguments import (
     add_attn_implementation_argument,
     add_device_arguments,
@@ -97,9 +96,10 @@ def goal_checks(summary: dict, native: int) -> list[str]:
     lines = []
     for scale, length in ((2.0, 2 * native), (4.0, 4 * native)):
         ours = rows.get((DEFAULT_METHOD, scale, length))
+        # None: a record of an earlier version whose bucket spans the native context (no number to compare)
         others = {method: row["beyond_native_ppl"] for (method, s, l), row in rows.items()
-                  if s == scale and l == length and method != DEFAULT_METHOD}  # fmt: skip
-        if ours is None or not others:
+                  if s == scale and l == length and method != DEFAULT_METHOD and row["beyond_native_ppl"] is not None}
+        if ours is None or ours["beyond_native_ppl"] is None or not others:
             continue
         best = min(others, key=others.get)
         if ours["beyond_native_ppl"] == others[best]:
@@ -157,14 +157,11 @@ def run(args: argparse.Namespace) -> None:
                                   attn_implementation=args.attn_implementation)  # fmt: skip
     documents = documents_from_files(tokenizer, [args.text_file])
     name = model_label(args.model)
-    run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=name, dtype=args.dtype,
-                   native_context=native)  # fmt: skip
-    summary = json.loads((args.output_dir / "summary.json").read_text(encoding="utf-8"))
-    # The folder may also hold results of other models, dtypes and frequency steps: keep this run's.
-    for kind in ("perplexity", "retrieval"):
-        summary[kind] = [row for row in summary[kind]
-                         if row.get("model") == name and row.get("dtype") == args.dtype
-                         and row.get("steps_per_doubling") == recorded_steps(row["method"], args.steps_per_doubling)]
+    records = run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=name,
+                             dtype=args.dtype, native_context=native)  # fmt: skip
+    # The records of this run's cases only: the folder may also hold results of other models, dtypes, frequency
+    # steps and documents, which pooled in would be shown as this document's numbers.
+    summary = summarize(records)
     summary["native_context"] = native  # of this model, also in a folder shared with others
     depths = ",".join(f"{depth:g}" for depth in args.depths)
     retrieval = f", passkey retrieved / tried (depths {depths})" if args.retrieval_lengths else ""

@@ -1528,3 +1528,280 @@ def test_run_results_table_shows_only_this_models_results(tiny_checkpoint, tmp_p
             if r["model"] == str(other) and r["method"] == "none"}  # fmt: skip
     assert "| linear | 2 |" in printed and "| yarn |" not in printed
     assert f"| none |  | {format_ppl(mine[128])} | {format_ppl(mine[512])} |" in printed
+
+
+# ----------------------------------------------------------------------------------------------
+# Found by review: settings, documents and prompts are never mixed or counted twice
+# ----------------------------------------------------------------------------------------------
+
+
+def _write_results(folder: Path, records) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return folder
+
+
+def _table_after(markdown: str, heading: str) -> str:
+    """The markdown table right after the first heading line containing ``heading``."""
+    rest = markdown[markdown.index(heading):].split("\n\n", 2)
+    return rest[1]
+
+
+def test_report_gives_each_dtype_stride_and_bucket_size_its_own_table(tmp_path):
+    buckets = [[0, 4, 10.0], [4, 8, 8.0], [8, 12, 90.0], [12, 16, 120.0]]
+    bf16 = [[0, 4, 11.0], [4, 8, 9.0], [8, 12, 95.0], [12, 16, 130.0]]
+    sliding = {"mode": "sliding", "bucket_size": None, "eval_tokens": 16}
+    records = [
+        _record("none", None, "a", 16, buckets),
+        _record("none", None, "a", 16, bf16, dtype="bf16"),
+        _record("yarn", 2.0, "a", 16, buckets),
+        {**_record("none", None, "a", 16, buckets, **sliding, stride=4, nll=math.log(7.0)), "buckets": None},
+        {**_record("none", None, "a", 16, buckets, **sliding, stride=8, nll=math.log(5.0)), "buckets": None},
+    ]  # fmt: skip
+    write_reports(_write_results(tmp_path, records))
+    markdown = (tmp_path / "results.md").read_text()
+    # Closed form: exp of the token-weighted mean log ppl of each record's buckets (3 tokens in [0, 4)).
+    fp32 = math.exp((3 * math.log(10) + 4 * (math.log(8) + math.log(90) + math.log(120))) / 15)
+    half = math.exp((3 * math.log(11) + 4 * (math.log(9) + math.log(95) + math.log(130))) / 15)
+    assert f"| none | {fp32:.2f} |" in _table_after(markdown, "first L tokens (one forward; documents: a; dtype fp32")
+    assert f"| none | {half:.2f} |" in _table_after(markdown, "first L tokens (one forward; documents: a; dtype bf16")
+    assert "yarn" not in _table_after(markdown, "dtype bf16")
+    assert "| none | 7.00 |" in _table_after(markdown, "stride S=4,") and "| none | 5.00 |" in _table_after(
+        markdown, "stride S=8,")  # fmt: skip
+    from hf_rope_ext.evaluation.report import comparison_table
+
+    with pytest.raises(ValueError, match="several dtype values"):
+        comparison_table(json.loads((tmp_path / "summary.json").read_text()))
+
+
+def test_report_keeps_rows_of_different_documents_in_different_tables(tmp_path):
+    records = [
+        _record("none", None, "a", 16, [[0, 4, 10.0], [4, 8, 8.0], [8, 12, 90.0], [12, 16, 120.0]]),
+        _record("none", None, "b", 16, [[0, 4, 2.0], [4, 8, 2.0], [8, 12, 2.0], [12, 16, 2.0]]),
+        _record("yarn", 2.0, "a", 16, [[0, 4, 11.0], [4, 8, 8.5], [8, 12, 9.0], [12, 16, 9.5]]),
+    ]
+    write_reports(_write_results(tmp_path, records))
+    markdown = (tmp_path / "results.md").read_text()
+    pooled = _table_after(markdown, "first L tokens (one forward; documents: a, b)")
+    alone = _table_after(markdown, "first L tokens (one forward; documents: a)")
+    assert "| none |" in pooled and "yarn" not in pooled
+    assert "| yarn x2 |" in alone and "| none |" not in alone
+
+
+def test_retrieval_prompts_of_a_rerun_with_more_trials_or_twice_are_counted_once(tmp_path):
+    two = _retrieval_record(depth=0.5, correct=1, outputs=["1", "3"])
+    three = {**two, "trials": 3, "correct": 2, "accuracy": 2 / 3, "answers": ["1", "2", "5"],
+             "outputs": ["1", "3", "5"]}  # fmt: skip
+    # the first 2 prompts of the 3-trial run are the 2-trial run's (one generator per depth), so 3 prompts in all
+    write_reports(_write_results(tmp_path / "more", [two, three]))
+    row = json.loads((tmp_path / "more" / "summary.json").read_text())["retrieval"][0]
+    assert (row["correct"], row["trials"]) == (2, 3)
+    assert "| none | 67% (2/3;" in (tmp_path / "more" / "results.md").read_text()
+    write_reports(_write_results(tmp_path / "twice", [two, dict(two), {**two, "depth": 0.5000001}]))
+    row = json.loads((tmp_path / "twice" / "summary.json").read_text())["retrieval"][0]
+    assert (row["correct"], row["trials"]) == (1, 2)
+    with pytest.raises(EvaluationError, match="give the same prompts"):
+        _plan(retrieval_tasks=["passkey"], retrieval_lengths=[200], depths=[0.1, 0.1000001]).validate(None)
+    from hf_rope_ext.evaluation.records import case_key
+
+    assert case_key({**two, "scale": 2}) == case_key({**two, "scale": 2.0})
+    # hand-written records without a depth (model cards) are different prompts: both count
+    from hf_rope_ext.evaluation.summary import retrieval_rows
+
+    by_hand = [{"kind": "retrieval", "task": "passkey", "method": "none", "length": 16, "accuracy": value}
+               for value in (0.5, 1.0)]  # fmt: skip
+    assert retrieval_rows(by_hand)[0]["accuracy"] == 0.75
+
+
+def test_beyond_native_perplexity_is_over_exactly_the_positions_past_the_native_context(tmp_path):
+    """Buckets of 24 tokens do not divide the native context of 32: the number must still be the
+    perplexity of positions 32 .. L-1, from a float64 full-logits reference."""
+    model = make_model("llama")
+    ids = random_ids(80)[0]
+    plan = _plan(methods=["none"], scales=[], ppl_lengths=[64], bucket_size=24)
+    run_evaluation(model, CharTokenizer(), plan, tmp_path, documents={"doc": ids}, progress=False)
+    row = json.loads((tmp_path / "summary.json").read_text())["perplexity"][0]
+    losses = reference_losses(model, ids[:64])  # losses[i] scores token i + 1
+    expected = math.exp(float(losses[ORIGINAL_CONTEXT - 1 :].mean()))
+    assert row["beyond_native_ppl"] == pytest.approx(expected, rel=1e-5)
+    assert f"| none | {format_ppl(expected)} |" in _table_after((tmp_path / "results.md").read_text(),
+                                                               "beyond the native context")  # fmt: skip
+    # A record (of an earlier version) whose bucket spans the native context cannot give the number: marked.
+    spanning = _record("none", None, "a", 16, [[0, 6, 10.0], [6, 12, 8.0], [12, 16, 90.0]])
+    write_reports(_write_results(tmp_path / "old", [spanning]))
+    assert json.loads((tmp_path / "old" / "summary.json").read_text())["perplexity"][0]["beyond_native_ppl"] is None
+    markdown = (tmp_path / "old" / "results.md").read_text()
+    assert "| none | n/a |" in markdown and "spans position 8" in markdown
+
+
+def test_nan_and_infinite_perplexities_still_give_every_report(tmp_path, caplog):
+    from hf_rope_ext.evaluation.summary import safe_exp
+
+    assert math.isnan(safe_exp(float("nan"))) and safe_exp(800.0) == float("inf")
+    broken = {**_record("none", None, "a", 16, [[0, 8, float("inf")], [8, 16, float("inf")]]), "nll": float("nan"),
+              "ppl": float("nan")}  # fmt: skip
+    written = {path.name for path in write_reports(_write_results(tmp_path, [broken]))}
+    assert {"perplexity_by_position.png", "perplexity_vs_length.png", "results.md"} <= written
+    assert "| none | nan |" in (tmp_path / "results.md").read_text()
+    assert math.isnan(json.loads((tmp_path / "summary.json").read_text())["perplexity"][0]["ppl"])
+    model = make_model("llama")
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite logits"):
+        token_losses(model, random_ids(20)[0])
+
+
+def test_plans_that_cannot_run_are_refused_before_any_forward(tmp_path):
+    model = make_model("llama")
+    counter = CallCounter(model)
+    with_bos = torch.cat([torch.tensor([CharTokenizer.bos_token_id]), random_ids(80)[0]])
+    sliding = _plan(methods=["none"], scales=[], ppl_lengths=[24, 64], ppl_modes=["buckets", "sliding"], stride=24)
+    with pytest.raises(EvaluationError, match="stride 24 must be at most 23"):
+        run_evaluation(model, CharTokenizer(), sliding, tmp_path / "s", documents={"d": with_bos}, progress=False)
+    needles = _plan(methods=["none"], scales=[], ppl_lengths=[], retrieval_tasks=["passkey", "needle"],
+                    retrieval_lengths=[320], depths=[0.5], trials=1, needle_count=20)  # fmt: skip
+    with pytest.raises(EvaluationError, match=r"needle at 320 tokens \(8 of them for the answer\): A prompt of 312 tokens"):
+        run_evaluation(model, CharTokenizer(), needles, tmp_path / "n", progress=False)
+    assert counter.calls == 0 and not (tmp_path / "s").exists() and not (tmp_path / "n").exists()
+    for overrides, message in (({"bucket_size": 8.5}, "bucket_size must be a positive integer"),
+                               ({"depths": ["0.5"], "retrieval_tasks": ["passkey"], "retrieval_lengths": [200]},
+                                "Depths are fractions"),
+                               ({"needle_count": 3.0}, "needle_count must be an integer")):  # fmt: skip
+        with pytest.raises(EvaluationError, match=message):
+            _plan(**overrides).validate(None)
+
+
+def test_perplexity_functions_take_numpy_counts_and_refuse_empty_or_bad_input():
+    import numpy as np
+
+    model = make_model("llama")
+    ids = random_ids(64)[0]
+    expected = math.exp(float(reference_losses(model, ids[:48]).mean()))
+    assert bucket_perplexity(model, [ids[None]], np.int64(48)).ppl == pytest.approx(expected, rel=1e-5)
+    assert bucket_perplexity(model, [ids.numpy()], 48, bucket_size=np.int64(16)).ppl == pytest.approx(expected,
+                                                                                                       rel=1e-5)
+    for call, message in (
+        (lambda: bucket_perplexity(model, [], 48), "No documents"),
+        (lambda: sliding_window_perplexity(model, [], 48, stride=16, progress=False), "No documents"),
+        (lambda: bucket_perplexity(model, [ids], 48, bucket_size=0), "bucket_size must be an integer >= 1"),
+        (lambda: bucket_perplexity(model, [ids], 48.0), "context_length must be an integer"),
+        (lambda: bucket_perplexity(model, [ids], 48, boundaries=[]), "boundaries must rise"),
+        (lambda: bucket_perplexity(model, [ids], 48, boundaries=[0, 31.7, 48]), "each boundary must be an integer"),
+        (lambda: sliding_window_perplexity(model, [ids], 48, stride=16, max_tokens=60.0, progress=False),
+         "max_tokens must be an integer"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_run_evaluation_takes_documents_as_lists(tmp_path):
+    ids = random_ids(80)[0]
+    plan = _plan(methods=["none"], scales=[], ppl_lengths=[64])
+    as_list = run_evaluation(make_model("llama"), CharTokenizer(), plan, tmp_path / "l", documents={"d": ids.tolist()},
+                             progress=False)  # fmt: skip
+    as_tensor = run_evaluation(make_model("llama"), CharTokenizer(), plan, tmp_path / "t", documents={"d": ids},
+                               progress=False)  # fmt: skip
+    assert as_list[0]["ppl"] == as_tensor[0]["ppl"]
+
+
+def _configurations_argv(tiny_checkpoint, text, output, length="512", configs="none", *extra):
+    return ["compare_configurations.py", "--model", str(tiny_checkpoint), "--text-files", str(text), "--length", length,
+            "--scale", "2", "--configs", configs, "--output-dir", str(output), *extra]  # fmt: skip
+
+
+def test_compare_configurations_drops_a_cut_line_and_keeps_the_folder_usable(tiny_checkpoint, tmp_path, monkeypatch):
+    module = _example_module("compare_configurations_cut", "compare_configurations.py")
+    text = tmp_path / "doc.txt"
+    text.write_text(" ".join(f"Line {i} of a long story about the sea and the ship." for i in range(120)))
+    output = tmp_path / "out"
+    _run_example(module, monkeypatch, _configurations_argv(tiny_checkpoint, text, output))
+    whole = (output / "results.jsonl").read_text()
+    with open(output / "results.jsonl", "a") as handle:
+        handle.write(whole[:150])  # what a killed append leaves
+    _run_example(module, monkeypatch, _configurations_argv(tiny_checkpoint, text, output, "512", "none;yarn"))
+    _run_example(module, monkeypatch, _configurations_argv(tiny_checkpoint, text, output, "512", "none;yarn"))
+    lines = (output / "results.jsonl").read_text().splitlines()
+    assert lines[0] == whole.strip() and [json.loads(line)["config"] for line in lines] == ["none", "yarn"]
+
+
+def test_compare_scripts_refuse_an_eval_folder_before_the_model_loads(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    records = [_record("none", None, "a", 16, [[0, 8, 10.0], [8, 16, 12.0]])]
+    output = _write_results(tmp_path / "eval", records)
+    before = (output / "results.jsonl").read_text()
+    loads = []
+    for name, script, argv in (
+        ("compare_configurations_mix", "compare_configurations.py",
+         _configurations_argv(tiny_checkpoint, tmp_path / "doc.txt", output)),
+        ("compare_retrieval_mix", "compare_retrieval.py",
+         ["compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "300", "--scale", "2", "--configs",
+          "none", "--depths", "0.5", "--trials", "1", "--output-dir", str(output)]),
+    ):  # fmt: skip
+        (tmp_path / "doc.txt").write_text("Line of a long story. " * 200)
+        module = _example_module(name, script)
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: loads.append(1))
+        last = _example_error(module, monkeypatch, capsys, argv)
+        assert "holds results of hf-rope-ext eval, not of this script" in last
+    assert not loads and (output / "results.jsonl").read_text() == before
+
+
+def test_compare_configurations_writes_one_table_per_set_of_ranges(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    module = _example_module("compare_configurations_edges", "compare_configurations.py")
+    text = tmp_path / "doc.txt"
+    text.write_text(" ".join(f"Line {i} of a long story about the sea and the ship." for i in range(120)))
+    output = tmp_path / "out"
+    _run_example(module, monkeypatch, _configurations_argv(tiny_checkpoint, text, output, "128", "none;yarn"))
+    _run_example(module, monkeypatch, _configurations_argv(tiny_checkpoint, text, output, "512", "none;yarn"))
+    table = (output / "table.md").read_text()
+    stored = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
+    for block in table.strip().split("\n\n"):
+        header, _, *rows = block.splitlines()
+        assert rows and all(row.count("|") == header.count("|") for row in rows)
+    for record in stored:  # each row under the header of its own ranges
+        block = next(b for b in table.split("\n\n") if f"| {record['config']} | 2 | {record['length']} |" in b)
+        names = [f"ppl {a}-{b}" for a, b in zip(record["edges"], record["edges"][1:])]
+        assert block.splitlines()[0] == "| config | scale | length | dtype | " + " | ".join(names) + \
+            " | seconds | time vs none | peak memory GiB |"  # fmt: skip
+    last = _example_error(module, monkeypatch, capsys, _configurations_argv(tiny_checkpoint, text, tmp_path / "r",
+                                                                            "512", "none", "--ranges", "0,1,512"))
+    assert "the first range [0, 1) scores no token" in last and not (tmp_path / "r").exists()
+
+
+def test_run_results_table_shows_only_its_documents_numbers(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    module = _example_module("run_results_table_documents", "run_results_table.py")
+    book, other = tmp_path / "book.txt", tmp_path / "book2.txt"
+    book.write_text(" ".join(f"Line {i} of a long story about the sea and the ship." for i in range(120)))
+    other.write_text(" ".join(f"Row {i}: a different text about a desert and a camel." for i in range(120)))
+    argv = ["run_results_table.py", "--model", str(tiny_checkpoint), "--methods", "none", "--scales", "2",
+            "--ppl-lengths", "128,512", "--retrieval-lengths", "", "--device", "cpu"]  # fmt: skip
+    _run_example(module, monkeypatch, [*argv, "--text-files", str(book), "--output-dir", str(tmp_path / "shared")])
+    capsys.readouterr()
+    _run_example(module, monkeypatch, [*argv, "--text-files", str(other), "--output-dir", str(tmp_path / "shared")])
+    shared = capsys.readouterr().out
+    _run_example(module, monkeypatch, [*argv, "--text-files", str(other), "--output-dir", str(tmp_path / "alone")])
+    alone = capsys.readouterr().out
+    row = next(line for line in alone.splitlines() if line.startswith("| none |"))
+    assert row in shared.splitlines()
+
+
+def test_compare_retrieval_refuses_an_edited_trials_field_before_the_model_loads(tiny_checkpoint, tmp_path,
+                                                                                  monkeypatch, capsys):  # fmt: skip
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "results.jsonl").write_text(json.dumps({"key": "k", "config": "none", "trials": "1"}) + "\n")
+    module = _example_module("compare_retrieval_edited", "compare_retrieval.py")
+    monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    last = _example_error(module, monkeypatch, capsys, [
+        "compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "300", "--scale", "2", "--configs", "none",
+        "--depths", "0.5", "--trials", "1", "--output-dir", str(output)])  # fmt: skip
+    assert "record 1 has no list of trials" in last
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"trials": 2.0}, "trials must be an integer"), ({"length": 300.0}, "length must be an integer"),
+    ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer"), ({"depth": "0.5"}, "depth must be a number"),
+])  # fmt: skip
+def test_retrieval_accuracy_refuses_values_of_the_wrong_type_in_one_line(overrides, message):
+    settings = {"task": "passkey", "length": 300, "depth": 0.5, "trials": 1, "max_new_tokens": 4, **overrides}
+    with pytest.raises(ValueError, match=message):
+        retrieval_accuracy(KeyReader(CharTokenizer()), CharTokenizer(), settings.pop("task"), settings.pop("length"),
+                           settings.pop("depth"), progress=False, **settings)  # fmt: skip

@@ -29,6 +29,7 @@ run on ``chunk_size`` positions at a time, so a 100k-token input never holds a
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ __all__ = [
     "SlidingPerplexity",
     "bucket_perplexity",
     "buckets_of_losses",
+    "document_tensors",
     "sliding_window_perplexity",
     "token_losses",
 ]
@@ -148,6 +150,12 @@ def _verify_head(model: nn.Module, decoder: nn.Module, head: nn.Module, device: 
         expected = model(input_ids=probe, use_cache=False).logits.float()
         hidden = decoder(input_ids=probe, use_cache=False).last_hidden_state
         ours = _logits(model, head, hidden)
+    if not torch.isfinite(expected).all():
+        # Not the head path's fault: the model itself gives NaN or infinite logits (bad weights, fp16 overflow).
+        raise ValueError(
+            f"{type(model).__name__} gives NaN or infinite logits on an 8-token input, so no loss can be computed; "
+            "check its weights, or evaluate in a wider --dtype (fp32)."
+        )
     if not torch.allclose(ours.to(expected.device), expected, atol=1e-3, rtol=1e-3):
         raise ValueError(
             f"{type(model).__name__}: computing logits as lm_head(decoder hidden states) does not reproduce "
@@ -219,9 +227,35 @@ def token_losses(
     return torch.cat(losses)
 
 
-def _check_context_length(context_length: int, available: int, what: str) -> None:
-    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 2:
-        raise ValueError(f"context_length must be an integer >= 2 tokens, got {context_length!r}.")
+def _count(value, name: str, minimum: int) -> int:
+    """``value`` as an int (numpy and 0-d tensor integers too), refusing floats, bools and small values."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+    return number
+
+
+def document_tensors(documents: Sequence) -> list[torch.Tensor]:
+    """The documents as 1-D id tensors (a ``(1, n)`` tensor, as tokenizers return, lists and arrays too)."""
+    if len(documents) == 0:
+        raise ValueError("No documents given: a perplexity needs at least one document of token ids.")
+    tensors = []
+    for index, document in enumerate(documents):
+        ids = torch.as_tensor(document)
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+            raise ValueError(f"Document {index} must be a 1-D sequence of token ids, got shape {tuple(ids.shape)} "
+                             f"of {ids.dtype}.")  # fmt: skip
+        tensors.append(ids)
+    return tensors
+
+
+def _check_context_length(context_length: int, available: int, what: str, name: str = "context_length") -> None:
+    _count(context_length, name, 2)
     if available < context_length:
         raise ValueError(
             f"{what} has {available} tokens, fewer than the requested context length of {context_length}; "
@@ -250,11 +284,14 @@ def bucket_perplexity(
 
     Give ``bucket_size`` (equal buckets) or explicit ``boundaries`` (``0 .. context_length``).
     """
+    context_length = _count(context_length, "context_length", 2)
+    documents = document_tensors(documents)
     if boundaries is None:
-        boundaries = default_boundaries(context_length, bucket_size or context_length)
-    boundaries = [int(b) for b in boundaries]
+        size = context_length if bucket_size is None else _count(bucket_size, "bucket_size", 1)
+        boundaries = default_boundaries(context_length, size)
+    boundaries = [_count(b, "each boundary", 0) for b in boundaries]
     rising = all(a < b for a, b in zip(boundaries, boundaries[1:]))
-    if boundaries[0] != 0 or boundaries[-1] != context_length or not rising:
+    if len(boundaries) < 2 or boundaries[0] != 0 or boundaries[-1] != context_length or not rising:
         raise ValueError(f"boundaries must rise strictly from 0 to context_length={context_length}, got {boundaries}.")
     sums = [0.0] * (len(boundaries) - 1)
     counts = [0] * (len(boundaries) - 1)
@@ -332,12 +369,14 @@ def sliding_window_perplexity(
             ``(N - L) / S + 1`` per document.
         max_tokens: score only the first ``N`` tokens of each document (default: all of it).
     """
+    context_length = _count(context_length, "context_length", 2)
+    stride = _count(stride, "stride", 1)
+    max_tokens = None if max_tokens is None else _count(max_tokens, "max_tokens", 2)
     result = SlidingPerplexity(context_length, stride)
-    for index, document in enumerate(documents):
-        document = torch.as_tensor(document)
+    for index, document in enumerate(document_tensors(documents)):
         if max_tokens is not None:
             _check_context_length(context_length, max_tokens, f"max_tokens={max_tokens}")
-            _check_context_length(max_tokens, len(document), f"Document {index}")
+            _check_context_length(max_tokens, len(document), f"Document {index}", "max_tokens")
             document = document[:max_tokens]
         _check_context_length(context_length, len(document), f"Document {index}")
         has_bos = bos_token_id is not None and int(document[0]) == bos_token_id

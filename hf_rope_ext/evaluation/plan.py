@@ -134,18 +134,31 @@ class EvalPlan:
                 "Nothing to evaluate: give --ppl-lengths and/or --retrieval-tasks with --retrieval-lengths."
             )
         for depth in self.depths:
-            if not 0.0 <= depth <= 1.0:
-                raise EvaluationError(f"Depths are fractions of the prompt between 0 and 1, got {depth}.")
+            if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0:
+                raise EvaluationError(f"Depths are fractions of the prompt between 0 and 1, got {depth!r}.")
+        # The prompts of a depth are seeded by its first 6 digits (retrieval.trial_seed): closer depths would
+        # be the same prompts, counted twice.
+        seeded = [f"{depth:.6g}" for depth in self.depths]
+        same = sorted({text for text in seeded if seeded.count(text) > 1})
+        if same:
+            raise EvaluationError(f"Depths {self.depths} give the same prompts (depth {', '.join(same)} to 6 digits); "
+                                  "list depths that differ in their first 6 digits.")  # fmt: skip
         if self.retrieval_tasks and not self.depths:
             raise EvaluationError("Retrieval needs at least one depth (e.g. --depths 0.1,0.5,0.9).")
         for name in ("trials", "max_new_tokens", "stride", "chunk_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EvaluationError(f"{name} must be a positive integer, got {value!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise EvaluationError(f"seed must be an integer, got {self.seed!r}.")
+        if isinstance(self.needle_count, bool) or not isinstance(self.needle_count, int):
+            raise EvaluationError(f"needle_count must be an integer, got {self.needle_count!r}.")
         if "needle" in self.retrieval_tasks and not 2 <= self.needle_count <= 20:
             raise EvaluationError(f"needle_count must be between 2 and 20, got {self.needle_count}.")
-        if self.bucket_size is not None and self.bucket_size < 1:
-            raise EvaluationError(f"bucket_size must be a positive number of tokens, got {self.bucket_size}.")
+        for name in ("bucket_size", "sliding_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise EvaluationError(f"{name} must be a positive integer number of tokens or None, got {value!r}.")
         if self.sliding_tokens is not None and "sliding" not in self.ppl_modes:
             raise EvaluationError("sliding_tokens (--sliding-tokens) applies to sliding-window perplexity only; "
                                   "add sliding to --ppl-modes, or leave it out.")  # fmt: skip

@@ -61,16 +61,19 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "EvaluationError",
+    "append_record",
     "ResultStore",
     "case_key",
     "check_output_dir",
     "check_record",
     "check_same_model",
+    "check_script_results",
     "load_records",
     "parse_steps_per_doubling",
     "read_records",
     "read_results",
     "recorded_steps",
+    "records_without_cut_line",
 ]
 
 RESULTS_FILE = "results.jsonl"
@@ -128,7 +131,12 @@ def case_key(record: Mapping[str, Any]) -> str:
     kind = record.get("kind")
     if kind not in IDENTITY_FIELDS:
         raise EvaluationError(f"Unknown result kind {kind!r}; expected one of {sorted(IDENTITY_FIELDS)}.")
-    return json.dumps({name: record.get(name) for name in IDENTITY_FIELDS[kind]}, sort_keys=True)
+    return json.dumps({name: _identity_value(record.get(name)) for name in IDENTITY_FIELDS[kind]}, sort_keys=True)
+
+
+def _identity_value(value: Any) -> Any:
+    # 2 and 2.0 (a scale or depth edited by hand) are the same case; JSON would spell them apart.
+    return float(value) if _is_int(value) else value
 
 
 def data_key(record: Mapping[str, Any]) -> str:
@@ -339,6 +347,35 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a results file (see :func:`load_records`): the one reader of ``results.jsonl``
     for the evaluation, its reports and model cards, and scripts that keep their own results."""
     return load_records(path)[0]
+
+
+def records_without_cut_line(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file that a script appends to (:func:`load_records`); a last line
+    cut off by an interrupted write is dropped from the file too, so that the next append does not
+    leave it inside the file, where every later read would refuse it."""
+    records, skipped = load_records(path)
+    if skipped is not None:
+        atomic_write_text(Path(path), "".join(json.dumps(record) + "\n" for record in records))
+    return records
+
+
+def append_record(path: str | os.PathLike, record: Mapping[str, Any]) -> None:
+    """Append one JSON line and flush it to disk; never glue it onto a last line without its newline."""
+    path = Path(path)
+    fresh_line = not path.exists() or path.stat().st_size == 0 or path.read_bytes()[-1:] == b"\n"
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(("" if fresh_line else "\n") + json.dumps(record) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def check_script_results(records: list[Mapping[str, Any]], path: str | os.PathLike) -> None:
+    """Refuse, in an example script's own results file, the records of ``hf-rope-ext eval`` (they
+    have a ``kind``): the script would append records of its own schema that eval then refuses,
+    and read eval's with the wrong fields."""
+    if any("kind" in record for record in records):
+        raise EvaluationError(f"{path} holds results of hf-rope-ext eval, not of this script; use another "
+                              "--output-dir.")  # fmt: skip
 
 
 def read_results(output_dir: str | os.PathLike) -> list[dict[str, Any]]:

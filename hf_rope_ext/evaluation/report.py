@@ -65,8 +65,43 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Settings besides the model state and the length that tell rows apart (the rest of each kind's
+# group in summary.py): each value set gets its own table, so no cell shows another setting's number.
+PPL_TABLE_SETTINGS = ("dtype", "stride", "eval_tokens", "bucket_size", "documents")
+RETRIEVAL_TABLE_SETTINGS = ("dtype", "seed", "needle_count", "max_new_tokens")
+# The curves of a plot and the rows of comparison_table are not split by model (a table is): with it.
+PPL_SERIES_SETTINGS = ("model",) + PPL_TABLE_SETTINGS
+RETRIEVAL_SERIES_SETTINGS = ("model",) + RETRIEVAL_TABLE_SETTINGS
+_SETTING_LABELS = {
+    "dtype": lambda value: f"dtype {value}",
+    "bucket_size": lambda value: f"buckets of {value} tokens",
+    "seed": lambda value: f"seed {value}",
+    "max_new_tokens": lambda value: f"answers of up to {value} tokens",
+}
+
+
+def _setting(row: Mapping[str, Any], names: Sequence[str]) -> tuple:
+    return tuple(tuple(row[name]) if isinstance(row.get(name), list) else row.get(name) for name in names)
+
+
+def _tables(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[list[Mapping[str, Any]]]:
+    """``rows`` split by their values of the settings ``names``, in order of appearance."""
+    tables: dict[tuple, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        tables.setdefault(_setting(row, names), []).append(row)
+    return list(tables.values())
+
+
+def _varying_note(rows: Sequence[Mapping[str, Any]], all_rows: Sequence[Mapping[str, Any]]) -> str:
+    """``"; dtype bf16"``: the labelled settings of ``rows`` whose values differ within ``all_rows``."""
+    notes = [label(rows[0].get(name)) for name, label in _SETTING_LABELS.items()
+             if len({repr(row.get(name)) for row in all_rows}) > 1]  # fmt: skip
+    return "".join(f"; {note}" for note in notes)
+
+
 def markdown_report(summary: Mapping[str, Any]) -> str:
-    """Markdown tables of a :func:`summarize` result."""
+    """Markdown tables of a :func:`summarize` result: one table per mode (task) and setting (dtype,
+    documents, stride, bucket size, seed, ...), so rows of different settings are never compared."""
     parts = ["# Evaluation results\n"]
     models = summary["models"]
     native = summary["native_context"]
@@ -77,66 +112,89 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
         if len(models) > 1:
             parts.append(f"## {model}\n")
         for mode in ("buckets", "sliding"):
-            rows = [row for row in ppl_rows if row["mode"] == mode]
-            if not rows:
-                continue
-            lengths = sorted({row["context_length"] for row in rows})
-            cell = {(record_state(row), row["context_length"]): row for row in rows}
-            documents = sorted({doc for row in rows for doc in row["documents"]})
-            if mode == "buckets":
-                parts.append(f"### Perplexity of the first L tokens (one forward; documents: {', '.join(documents)})\n")
-            else:
-                stride, eval_tokens = rows[0]["stride"], rows[0]["eval_tokens"]
-                parts.append(f"### Sliding-window perplexity, window L, stride S={stride}, first {eval_tokens} tokens "
-                             f"(documents: {', '.join(documents)})\n")  # fmt: skip
-            header = ["method"] + [f"L={format_tokens(length)}" for length in lengths]
-            table = []
-            for state in _states_in_order(rows):
-                values = [cell[(state, length)]["ppl"] if (state, length) in cell else None for length in lengths]
-                table.append([state_label(*state)] + [format_ppl(value) for value in values])
-            parts.append(_table(header, table))
-            if mode == "buckets":
-                beyond = [length for length in lengths if native and isinstance(native, int) and length > native]
-                if beyond:
-                    parts.append(f"\n### Perplexity of positions beyond the native context ({native} .. L)\n")
-                    header = ["method"] + [f"L={format_tokens(length)}" for length in beyond]
-                    table = [[state_label(*state)] + [format_ppl(cell[(state, length)]["beyond_native_ppl"])
-                                                      if (state, length) in cell else "" for length in beyond]
-                             for state in _states_in_order(rows)]  # fmt: skip
-                    parts.append(_table(header, table))
-                longest = max(lengths)
-                ranges = next((row["ranges"] for row in rows if row["context_length"] == longest and row["ranges"]),
-                              None)  # fmt: skip
-                if ranges:
-                    parts.append(f"\n### Perplexity by position, one forward of L={format_tokens(longest)} tokens\n")
-                    header = ["method"] + [f"{format_tokens(lo)}-{format_tokens(hi)}" for lo, hi, _ in ranges]
-                    table = []
-                    for state in _states_in_order(rows):
-                        row = cell.get((state, longest))
-                        if row and row["ranges"]:
-                            values = {(lo, hi): ppl for lo, hi, ppl in row["ranges"]}
-                            cells = [format_ppl(values.get((lo, hi))) for lo, hi, _ in ranges]
-                            table.append([state_label(*state)] + cells)
-                    parts.append(_table(header, table))
-            parts.append("")
+            mode_rows = [row for row in ppl_rows if row["mode"] == mode]
+            for rows in _tables(mode_rows, PPL_TABLE_SETTINGS):
+                parts += _perplexity_tables(mode, rows, _varying_note(rows, mode_rows), native)
         for task in sorted({row["task"] for row in retrieval_rows}):
-            rows = [row for row in retrieval_rows if row["task"] == task]
-            lengths = sorted({row["length"] for row in rows})
-            cell = {(record_state(row), row["length"]): row for row in rows}
-            depths = sorted({depth for row in rows for depth in row["by_depth"]}, key=float)
-            extra = f", {rows[0]['needle_count']} keys per prompt" if task == "needle" else ""
-            parts.append(f"### {task} retrieval accuracy (depths {', '.join(depths)}{extra})\n")
-            parts.append("Correct / prompts, and the 95% Wilson interval of the accuracy: a few prompts a cell "
-                         "leave it wide.\n")
-            header = ["method"] + [f"L={format_tokens(length)}" for length in lengths]
+            task_rows = [row for row in retrieval_rows if row["task"] == task]
+            for rows in _tables(task_rows, RETRIEVAL_TABLE_SETTINGS):
+                parts.append(_retrieval_table(task, rows, _varying_note(rows, task_rows)))
+    return "\n".join(parts)
+
+
+def _perplexity_tables(mode: str, rows: Sequence[Mapping[str, Any]], note: str, native: Any) -> list[str]:
+    parts = []
+    lengths = sorted({row["context_length"] for row in rows})
+    cell = {(record_state(row), row["context_length"]): row for row in rows}
+    documents = ", ".join(rows[0]["documents"])
+    if mode == "buckets":
+        parts.append(f"### Perplexity of the first L tokens (one forward; documents: {documents}{note})\n")
+    else:
+        stride, eval_tokens = rows[0]["stride"], rows[0]["eval_tokens"]
+        parts.append(f"### Sliding-window perplexity, window L, stride S={stride}, first {eval_tokens} tokens "
+                     f"(documents: {documents}{note})\n")  # fmt: skip
+    header = ["method"] + [f"L={format_tokens(length)}" for length in lengths]
+    table = []
+    for state in _states_in_order(rows):
+        table.append([state_label(*state)] + [format_ppl(cell[(state, length)]["ppl"], missing="nan")
+                                              if (state, length) in cell else "" for length in lengths])
+    parts.append(_table(header, table))
+    if mode == "buckets":
+        beyond = [length for length in lengths if native and isinstance(native, int) and length > native]
+        if beyond:
+            parts.append(f"\n### Perplexity of positions beyond the native context ({native} .. L; "
+                         f"documents: {documents}{note})\n")  # fmt: skip
+            table = [[state_label(*state)] + [_beyond_cell(cell.get((state, length))) for length in beyond]
+                     for state in _states_in_order(rows)]  # fmt: skip
+            parts.append(_table(["method"] + [f"L={format_tokens(length)}" for length in beyond], table))
+            if any(row["beyond_native_ppl"] is None for (_, length), row in cell.items() if length in beyond):
+                parts.append(f"\n{_SPANS_NATIVE}: a position bucket of these results spans position {native}, so "
+                             "the positions beyond it cannot be told apart; evaluate again into a new folder.\n")
+        longest = max(lengths)
+        ranges = next((row["ranges"] for row in rows if row["context_length"] == longest and row["ranges"]), None)
+        if ranges:
+            parts.append(f"\n### Perplexity by position, one forward of L={format_tokens(longest)} tokens "
+                         f"(documents: {documents}{note})\n")  # fmt: skip
+            header = ["method"] + [f"{format_tokens(lo)}-{format_tokens(hi)}" for lo, hi, _ in ranges]
             table = []
             for state in _states_in_order(rows):
-                cells = []
-                for length in lengths:
-                    row = cell.get((state, length))
-                    cells.append(_retrieval_cell(row) if row else "")
-                table.append([state_label(*state)] + cells)
-            parts.append(_table(header, table) + "\n")
+                row = cell.get((state, longest))
+                if row and row["ranges"]:
+                    values = {(lo, hi): ppl for lo, hi, ppl in row["ranges"]}
+                    cells = [format_ppl(values[(lo, hi)], missing="nan") if (lo, hi) in values else ""
+                             for lo, hi, _ in ranges]
+                    table.append([state_label(*state)] + cells)
+            parts.append(_table(header, table))
+    parts.append("")
+    return parts
+
+
+_SPANS_NATIVE = "n/a"
+
+
+def _beyond_cell(row: Mapping[str, Any] | None) -> str:
+    if row is None:
+        return ""
+    value = row["beyond_native_ppl"]
+    return _SPANS_NATIVE if value is None else format_ppl(value, missing="nan")
+
+
+def _retrieval_table(task: str, rows: Sequence[Mapping[str, Any]], note: str) -> str:
+    lengths = sorted({row["length"] for row in rows})
+    cell = {(record_state(row), row["length"]): row for row in rows}
+    depths = sorted({depth for row in rows for depth in row["by_depth"]}, key=float)
+    extra = f", {rows[0]['needle_count']} keys per prompt" if task == "needle" else ""
+    parts = [f"### {task} retrieval accuracy (depths {', '.join(depths)}{extra}{note})\n",
+             "Correct / prompts, and the 95% Wilson interval of the accuracy: a few prompts a cell leave it wide.\n"]
+    header = ["method"] + [f"L={format_tokens(length)}" for length in lengths]
+    table = []
+    for state in _states_in_order(rows):
+        cells = []
+        for length in lengths:
+            row = cell.get((state, length))
+            cells.append(_retrieval_cell(row) if row else "")
+        table.append([state_label(*state)] + cells)
+    parts.append(_table(header, table) + "\n")
     return "\n".join(parts)
 
 
@@ -158,6 +216,13 @@ def comparison_table(summary: Mapping[str, Any], *, task: str = "passkey") -> st
     retrieval accuracy for every length. Cells missing from the results stay empty."""
     ppl_rows = [row for row in summary["perplexity"] if row["mode"] == "buckets"]
     retrieval_rows = [row for row in summary["retrieval"] if row["task"] == task]
+    # One row per model state: rows of several settings would overwrite each other's cells.
+    for rows, names in ((ppl_rows, PPL_SERIES_SETTINGS), (retrieval_rows, RETRIEVAL_SERIES_SETTINGS)):
+        for name in names:
+            values = {repr(_setting(row, [name])[0]) for row in rows}
+            if len(values) > 1:
+                raise ValueError(f"comparison_table shows one setting, but these results hold several {name} values "
+                                 f"({', '.join(sorted(values))}); keep the rows of one {name} in the summary first.")
     native = summary["native_context"] if isinstance(summary["native_context"], int) else None
     ppl_lengths = sorted({row["context_length"] for row in ppl_rows})
     beyond_lengths = [length for length in ppl_lengths if native and length > native]
@@ -211,6 +276,34 @@ def _scales_for_plot(rows: Sequence[Mapping[str, Any]]) -> list[float | None]:
     return scales or [None]
 
 
+def _series(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[tuple[tuple, str, list]]:
+    """``(state, label, rows)`` per model state and setting ``names``: one curve or panel each,
+    labelled with the settings that differ between them, so no curve mixes two settings."""
+    varying = [name for name in names if len({repr(_setting(row, [name])[0]) for row in rows}) > 1]
+    series = []
+    for state in _states_in_order(rows):
+        for group in _tables([row for row in rows if record_state(row) == state], names):
+            values = _setting(group[0], varying)
+            note = "".join(f", {name} {', '.join(map(str, value)) if isinstance(value, tuple) else value}"
+                           for name, value in zip(varying, values))  # fmt: skip
+            series.append((state, state_label(*state) + note, group))
+    return series
+
+
+def _plottable(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[float], list[float]]:
+    """The points with a finite positive perplexity: a NaN or infinite one (a broken model) has no
+    place on a log axis; the tables show it."""
+    points = [(x, y) for x, y in zip(xs, ys) if isinstance(y, (int, float)) and math.isfinite(y) and y > 0]
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def _log_axis(axes, plotted: bool) -> None:
+    if plotted:
+        axes.set_yscale("log")
+    else:
+        axes.text(0.5, 0.5, "no finite perplexity", ha="center", va="center", transform=axes.transAxes)
+
+
 def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
     """``perplexity_by_position.png`` (per-bucket curves at the longest L) and
     ``perplexity_vs_length.png`` (ppl of the first L tokens against L), one panel per scale."""
@@ -224,17 +317,19 @@ def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
         figure = Figure(figsize=(6 * len(scales), 4.5), layout="constrained")
         for index, scale in enumerate(scales):
             axes = figure.add_subplot(1, len(scales), index + 1)
-            for state in _states_in_order(rows):
+            plotted = False
+            for state, label, mine in _series(rows, PPL_SERIES_SETTINGS):
                 if state[1] not in (None, scale):
                     continue
-                mine = [row for row in rows if record_state(row) == state]
                 longest = max(mine, key=lambda row: row["context_length"])
-                xs = [(start + end) / 2 for start, end, _ in longest["buckets"]]
-                ys = [ppl for _, _, ppl in longest["buckets"]]
-                axes.plot(xs, ys, marker="o", markersize=3, label=state_label(*state))
+                xs, ys = _plottable([(start + end) / 2 for start, end, _ in longest["buckets"]],
+                                    [ppl for _, _, ppl in longest["buckets"]])  # fmt: skip
+                if xs:
+                    axes.plot(xs, ys, marker="o", markersize=3, label=label)
+                    plotted = True
             if native:
                 axes.axvline(native, color="grey", linestyle="--", linewidth=1, label="native context")
-            axes.set_yscale("log")
+            _log_axis(axes, plotted)
             axes.set_xlabel("token position (bucket centre)")
             axes.set_ylabel("perplexity")
             axes.set_title("one forward per document" + (f", scale {scale:g}" if scale else ""))
@@ -253,23 +348,28 @@ def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
             mode_rows = [row for row in rows if row["mode"] == mode]
             for index, scale in enumerate(scales):
                 axes = figure.add_subplot(len(modes), len(scales), mode_index * len(scales) + index + 1)
-                for state in _states_in_order(mode_rows):
+                plotted = False
+                for state, label, mine in _series(mode_rows, PPL_SERIES_SETTINGS):
                     if state[1] not in (None, scale):
                         continue
-                    mine = sorted((row for row in mode_rows if record_state(row) == state),
-                                  key=lambda row: row["context_length"])  # fmt: skip
-                    axes.plot([row["context_length"] for row in mine], [row["ppl"] for row in mine], marker="o",
-                              label=state_label(*state))  # fmt: skip
+                    mine = sorted(mine, key=lambda row: row["context_length"])
+                    xs, ys = _plottable([row["context_length"] for row in mine], [row["ppl"] for row in mine])
+                    if xs:
+                        axes.plot(xs, ys, marker="o", label=label)
+                        plotted = True
                 if native:
                     axes.axvline(native, color="grey", linestyle="--", linewidth=1)
                 axes.set_xscale("log", base=2)
-                axes.set_yscale("log")
+                _log_axis(axes, plotted)
                 axes.set_xlabel("context length L (tokens)")
                 axes.set_ylabel("perplexity")
-                title = "first L tokens" if mode == "buckets" else f"sliding window, stride {mode_rows[0]['stride']}"
+                strides = sorted({row["stride"] for row in mode_rows})
+                stride_text = ", ".join(map(str, strides))
+                title = "first L tokens" if mode == "buckets" else f"sliding window, stride {stride_text}"
                 axes.set_title(title + (f", scale {scale:g}" if scale else ""))
                 axes.grid(True, which="both", alpha=0.3)
-                axes.legend(fontsize=8)
+                if plotted:
+                    axes.legend(fontsize=8)
         path = output_dir / "perplexity_vs_length.png"
         _save_figure(figure, path)
         written.append(path)
@@ -277,34 +377,38 @@ def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
 
 
 def plot_retrieval(records: Sequence[Mapping[str, Any]], output_dir: Path) -> list[Path]:
-    """``retrieval_<task>.png``: a length x depth accuracy heatmap per method and scale."""
+    """``retrieval_<task>.png``: a length x depth accuracy heatmap per method, scale and setting."""
     from matplotlib.figure import Figure
 
     written = []
     rows = [record for record in records if record["kind"] == "retrieval"]
     for task in sorted({row["task"] for row in rows}):
         task_rows = [row for row in rows if row["task"] == task]
-        states = _states_in_order(task_rows)
+        panels = _series(task_rows, RETRIEVAL_SERIES_SETTINGS)
         lengths = sorted({row["length"] for row in task_rows})
         depths = sorted({row["depth"] for row in task_rows})
-        columns = min(len(states), 4)
-        lines = math.ceil(len(states) / columns)
+        columns = min(len(panels), 4)
+        lines = math.ceil(len(panels) / columns)
         panel_width, panel_height = max(2.6, 0.8 * len(lengths) + 1.0), max(2.2, 0.45 * len(depths) + 1.3)
         figure = Figure(figsize=(panel_width * columns + 1.2, panel_height * lines + 0.5), layout="constrained")
         image = None
-        for index, state in enumerate(states):
+        for index, (_, label, mine) in enumerate(panels):
             axes = figure.add_subplot(lines, columns, index + 1)
             grid = [[math.nan] * len(lengths) for _ in depths]
             labels = [[""] * len(lengths) for _ in depths]
-            for row in task_rows:
-                if record_state(row) == state:
-                    i, j = depths.index(row["depth"]), lengths.index(row["length"])
-                    if isinstance(row.get("trials"), int) and row["trials"] > 0:
-                        grid[i][j] = row["correct"] / row["trials"]
-                        labels[i][j] = f"{row['correct']}/{row['trials']}"
-                    else:  # a hand-written record with an accuracy only
-                        grid[i][j] = float(row["accuracy"])
-                        labels[i][j] = format_accuracy(row["accuracy"])
+            shown: dict[tuple[int, int], int] = {}
+            for row in mine:
+                i, j = depths.index(row["depth"]), lengths.index(row["length"])
+                trials = row["trials"] if isinstance(row.get("trials"), int) else 0
+                if shown.get((i, j), -1) >= trials:  # the same prompts again: the run with most trials holds them all
+                    continue
+                shown[(i, j)] = trials
+                if trials > 0:
+                    grid[i][j] = row["correct"] / row["trials"]
+                    labels[i][j] = f"{row['correct']}/{row['trials']}"
+                else:  # a hand-written record with an accuracy only
+                    grid[i][j] = float(row["accuracy"])
+                    labels[i][j] = format_accuracy(row["accuracy"])
             image = axes.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
             for i in range(len(depths)):
                 for j in range(len(lengths)):
@@ -313,7 +417,7 @@ def plot_retrieval(records: Sequence[Mapping[str, Any]], output_dir: Path) -> li
             axes.set_yticks(range(len(depths)), [f"{depth:g}" for depth in depths])
             axes.set_xlabel("length")
             axes.set_ylabel("depth")
-            axes.set_title(state_label(*state), fontsize=10)
+            axes.set_title(label, fontsize=10)
         if image is not None:
             figure.colorbar(image, ax=figure.axes, shrink=0.8, label="fraction of keys retrieved")
         figure.suptitle(f"{task} retrieval")

@@ -22,6 +22,7 @@ every method sees the same prompts.
 from __future__ import annotations
 
 import logging
+import numbers
 import random
 import re
 from collections.abc import Sequence
@@ -277,10 +278,14 @@ def retrieval_accuracy(
     The prompt has ``length - max_new_tokens`` tokens, so prompt plus answer fit in ``length``
     (with length-dependent methods this keeps generation at the frequencies of ``length``).
     """
-    if trials < 1:
-        raise ValueError(f"trials must be at least 1, got {trials}.")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    for name, value, minimum in (("trials", trials, 1), ("max_new_tokens", max_new_tokens, 1), ("length", length, 2),
+                                 ("needle_count", needle_count, 2)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed must be an integer, got {seed!r}.")
+    if isinstance(depth, bool) or not isinstance(depth, numbers.Real) or not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be a number between 0 and 1 (a fraction of the filler), got {depth!r}.")
     rng = random.Random(trial_seed(seed, task, length, depth))
     result = RetrievalResult()
     eos = getattr(tokenizer, "eos_token_id", None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from .. import unpatch_model
 from ..spec import PatchSpec
 from ..rotary import ExtendedRotaryEmbedding
 from .documents import check_documents, document_hash
-from .perplexity import bucket_perplexity, sliding_window_perplexity
+from .perplexity import bucket_perplexity, default_boundaries, document_tensors, sliding_window_perplexity
 from .plan import EvalPlan
 from .records import (
     EXACT_STEPS,
@@ -43,7 +44,7 @@ from .records import (
     recorded_steps,
 )
 from .report import write_reports
-from .retrieval import retrieval_accuracy
+from .retrieval import make_trial, retrieval_accuracy, trial_seed
 
 logger = logging.getLogger(__name__)
 
@@ -200,12 +201,41 @@ def _check_stored_frequencies(model: nn.Module, store: ResultStore, groups, plan
                 unpatch_model(model)
 
 
+def _check_inputs_fit(plan: EvalPlan, tokenizer, documents: Mapping[str, torch.Tensor]) -> None:
+    """The checks of a plan that need the tokenizer, before any forward: windows that start with
+    BOS leave ``L - 1`` document tokens for the stride, and every retrieval prompt must hold its
+    instruction, needles and question (built here as the cases will build them; tokenizing only)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if "sliding" in plan.ppl_modes and plan.ppl_lengths and bos is not None:
+        shortest = min(plan.ppl_lengths)
+        if plan.stride > shortest - 1 and any(len(ids) and int(ids[0]) == bos for ids in documents.values()):
+            raise EvaluationError(
+                f"stride {plan.stride} must be at most {shortest - 1} when every window starts with BOS (a window of "
+                f"{shortest} tokens holds {shortest - 1} document tokens); use a smaller --stride."
+            )
+    for task in plan.retrieval_tasks:
+        length = min(plan.retrieval_lengths)
+        for depth in plan.depths:
+            rng = random.Random(trial_seed(plan.seed, task, length, depth))
+            for _ in range(plan.trials):
+                try:
+                    make_trial(task, tokenizer, length - plan.max_new_tokens, depth, rng,
+                               needle_count=plan.needle_count)  # fmt: skip
+                except ValueError as error:
+                    raise EvaluationError(f"{task} at {length} tokens ({plan.max_new_tokens} of them for the answer): "
+                                          f"{error}") from None
+
+
 def _run_case(model: nn.Module, tokenizer, plan: EvalPlan, spec: dict[str, Any],
-              documents: Mapping[str, torch.Tensor], progress: bool = True) -> dict[str, Any]:
+              documents: Mapping[str, torch.Tensor], native_context: int, progress: bool = True) -> dict[str, Any]:
     if spec["kind"] == "perplexity":
         document = documents[spec["document"]]
         if spec["mode"] == "buckets":
-            result = bucket_perplexity(model, [document], spec["context_length"], bucket_size=spec["bucket_size"],
+            length = spec["context_length"]
+            # Buckets split at the native context too, so that the positions beyond it have their own perplexity.
+            boundaries = default_boundaries(length, spec["bucket_size"])
+            boundaries = sorted({*boundaries, native_context} if native_context < length else boundaries)
+            result = bucket_perplexity(model, [document], length, boundaries=boundaries,
                                        chunk_size=plan.chunk_size)  # fmt: skip
             return {"buckets": [list(bucket) for bucket in result.bucket_ppls()], "ppl": result.ppl,
                     "nll": result.nll, "tokens": result.tokens, "windows": 1}  # fmt: skip
@@ -245,13 +275,15 @@ def run_evaluation(
     interrupted. Reports (:func:`hf_rope_ext.evaluation.report.write_reports`) are rewritten at
     the end, also after an interruption.
     """
-    documents = dict(documents or {})
+    # Lists, arrays and (1, n) tensors as tokenizers return them: 1-D tensors from here on.
+    documents = dict(zip(documents, document_tensors(list(documents.values())))) if documents else {}
     if native_context is None:
         native_context = int(model.config.max_position_embeddings)
     model_name = model_name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
     dtype = dtype or str(next(model.parameters()).dtype).replace("torch.", "")
     plan.validate(native_context)
     check_documents(plan, documents)
+    _check_inputs_fit(plan, tokenizer, documents)
 
     store = ResultStore(output_dir)
     document_hashes = {name: document_hash(ids) for name, ids in documents.items()}
@@ -293,7 +325,7 @@ def run_evaluation(
                                     source["method"], source["scale"])  # fmt: skip
                     else:
                         started = time.perf_counter()
-                        results = _run_case(model, tokenizer, plan, case.spec, documents, progress)
+                        results = _run_case(model, tokenizer, plan, case.spec, documents, native_context, progress)
                         results["seconds"] = round(time.perf_counter() - started, 2)
                         results["reused_from"] = None
                     record.update(results)

@@ -12,9 +12,12 @@ all depths. :func:`summarize` returns (and ``summary.json`` holds)::
      "perplexity": [{"mode", "method", "scale", "steps_per_doubling", "model", "dtype", "context_length", "stride",
                      "eval_tokens", "bucket_size", "documents": [...], "ppl", "nll", "tokens",
                      "ranges": [[start, end, ppl], ...]  # buckets pooled to 0, L0/4, L0/2, L0, 2 L0, ...
-                     "beyond_native_ppl": ppl of positions [L0, L) or null}, ...],
+                     "beyond_native_ppl": ppl of positions [L0, L), or null (L <= L0, or a bucket spans L0)}, ...],
      "retrieval": [{"task", "method", "scale", "steps_per_doubling", "model", "dtype", "length", "trials", "correct",
                     "accuracy", "by_depth": {"0.1": accuracy, ...}}, ...]}
+
+Each document's record counts once per row, and each retrieval prompt once: of records of one
+depth (whose prompts come from one seeded generator), the one with the most trials is kept.
 
 A retrieval group whose records lack ``correct`` and ``trials`` (written by hand) gets the mean of
 their ``accuracy`` and ``correct``/``trials`` None.
@@ -22,11 +25,14 @@ their ``accuracy`` and ``correct``/``trials`` None.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .records import EXACT_STEPS, NONE_METHOD, is_length_dependent
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "format_accuracy",
@@ -44,7 +50,9 @@ __all__ = [
 
 
 def safe_exp(nll: float) -> float:
-    """``exp(nll)``, or infinity where it would overflow (a broken model's perplexity)."""
+    """``exp(nll)``, or infinity where it would overflow (a broken model's perplexity); NaN stays NaN."""
+    if math.isnan(nll):
+        return float("nan")
     return math.exp(nll) if nll < 709 else float("inf")
 
 
@@ -58,6 +66,8 @@ def pool_log_ppl(pairs: Iterable[tuple[float, int]]) -> float:
     total = count = 0.0
     for ppl, tokens in pairs:
         if tokens:
+            if math.isnan(ppl):  # a NaN loss: the pooled value is unknown, not infinite
+                return float("nan")
             total += (math.log(ppl) if ppl > 0 and math.isfinite(ppl) else math.inf) * tokens
             count += tokens
     if not count:
@@ -216,11 +226,36 @@ def retrieval_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
     return [_retrieval_row(key, parts) for key, parts in groups.items()]
 
 
+def _distinct(parts: Sequence[Mapping[str, Any]], identity, what: str) -> list[Mapping[str, Any]]:
+    """``parts`` with one record per ``identity(part)``: the one with the most ``trials`` (the
+    prompts of a run with fewer trials are the first ones of a run with more, see
+    ``retrieval.trial_seed``), else the first. Two runs into one folder, or a rerun with more
+    trials, must not count the same tokens or prompts twice."""
+    kept: dict[Any, Mapping[str, Any]] = {}
+    for part in parts:
+        key = identity(part)
+        if key in kept:
+            logger.warning("results.jsonl holds %s twice (%s); it is counted once.", what, key)
+            if _trials(part) <= _trials(kept[key]):
+                continue
+        kept[key] = part
+    return list(kept.values())
+
+
+def _trials(part: Mapping[str, Any]) -> int:
+    return part["trials"] if _is_number(part.get("trials")) else 0
+
+
 def _perplexity_row(key: tuple, parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     row = dict(zip(PERPLEXITY_GROUP, key))
+    # A hand-written record (model cards) that names no document is never taken for another one.
+    parts = _distinct(parts, lambda part: (part["document"], part.get("document_sha256")) if part.get("document")
+                      else id(part),
+                      f"the {row['mode']} perplexity of {state_label(*record_state(row))} at L={row['context_length']} "
+                      "of one document")  # fmt: skip
     tokens = sum(part["tokens"] for part in parts)
     nll = sum(part["nll"] * part["tokens"] for part in parts) / max(tokens, 1)
-    row.update({"documents": [part.get("document") for part in parts], "ppl": safe_exp(nll), "nll": nll,
+    row.update({"documents": sorted({str(part.get("document")) for part in parts}), "ppl": safe_exp(nll), "nll": nll,
                 "tokens": tokens, "ranges": None, "beyond_native_ppl": None})  # fmt: skip
     native, length = parts[0].get("native_context"), row["context_length"]
     if row["mode"] == "buckets" and native:
@@ -232,9 +267,23 @@ def _perplexity_row(key: tuple, parts: Sequence[Mapping[str, Any]]) -> dict[str,
         row["buckets"] = merged
         row["ranges"] = pooled_ranges(merged, range_edges(native, length))
         if length > native:
-            beyond = [(ppl, bucket_token_count(s, e)) for s, e, ppl in merged if s >= native]
-            row["beyond_native_ppl"] = pool_log_ppl(beyond) if beyond else None
+            row["beyond_native_ppl"] = _beyond_native_ppl(parts, native)
     return row
+
+
+def _beyond_native_ppl(parts: Sequence[Mapping[str, Any]], native_context: int) -> float | None:
+    """The perplexity of exactly the positions ``[native_context, L)`` of buckets-mode records,
+    pooled by tokens; None where a record's bucket spans ``native_context`` (its positions on
+    either side cannot be told apart; the runner splits its buckets there, so only records of
+    earlier versions have such a bucket)."""
+    pairs = []
+    for part in parts:
+        for start, end, ppl in part["buckets"]:
+            if start < native_context < end:
+                return None
+            if start >= native_context:
+                pairs.append((ppl, bucket_token_count(start, end)))
+    return pool_log_ppl(pairs) if pairs else None
 
 
 def _counted(part: Mapping[str, Any]) -> bool:
@@ -244,6 +293,9 @@ def _counted(part: Mapping[str, Any]) -> bool:
 def _retrieval_row(key: tuple, parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     group = dict(zip(RETRIEVAL_GROUP, key))
     del group["max_new_tokens"]  # part of the group, not shown
+    # The prompts of a depth are drawn from a generator seeded by the depth as retrieval.trial_seed writes it.
+    parts = _distinct(parts, lambda part: f"depth {part['depth']:.6g}" if _is_number(part.get("depth")) else id(part),
+                      f"{group['task']} prompts of {state_label(*record_state(group))} at {group['length']} tokens")
     counted = [part for part in parts if _counted(part)]
     trials = sum(part["trials"] for part in counted) if counted else None
     correct = sum(part["correct"] for part in counted) if counted else None
