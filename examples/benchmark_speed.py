@@ -63,6 +63,7 @@ from hf_rope_ext.evaluation.records import check_output_dir
 from hf_rope_ext.files import atomic_write_json
 from hf_rope_ext.loading import load_model, resolve_model_path
 from hf_rope_ext.methods import get_method
+from hf_rope_ext.patching import original_context_length
 from hf_rope_ext.validation import check_scale
 
 STATIC_METHODS = ("linear", "ntk", "yarn", "llama3")
@@ -90,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                help="rounds of the decode benchmark, each timing both models (default 3)")
     add_option(parser, "--decode-new-tokens", type=int, default=256,
                help="new tokens after the prompts of 1.1, 1.5 and 1.9 x the original context")
-    add_option(parser, "--decode-step-methods", default="",
+    add_option(parser, "--decode-step-methods", default=None,
                help="';'-separated attention-level configurations (method[:key=value,...]) for the decode-step "
                     "benchmark, e.g. 'self-extend;dual-chunk;self-extend:far_positions=by-parts'")
     add_option(parser, "--decode-step-tokens", type=int, default=16384,
@@ -100,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_option(parser, "--skip-forward", action="store_true")
     add_option(parser, "--skip-decode", action="store_true")
     args = parser.parse_args(argv)
-    args.decode_step_methods = [m.strip() for m in args.decode_step_methods.split(";") if m.strip()]
+    args.decode_step_methods = [m.strip() for m in (args.decode_step_methods or "").split(";") if m.strip()]
     if args.decode_step_repeats < 1 or args.decode_step_tokens < 1:
         parser.error("--decode-step-repeats and --decode-step-tokens must be at least 1, got "
                      f"{args.decode_step_repeats} and {args.decode_step_tokens}")
@@ -274,24 +275,28 @@ def decode_step_benchmark(model, ids, methods, scale: float, repeats: int) -> di
     if cache_name is None:
         raise ValueError(f"{type(model).__name__}.forward takes no KV cache; the decode-step benchmark needs one.")
     check_configurations(model, methods, scale)  # bad parameters fail now, not after the long prefill
-    with torch.no_grad():
-        prefill = output_cache(model(ids[:, :-1], use_cache=True, logits_to_keep=1))
     last = ids[:, -1:]
     position = torch.tensor([[ids.shape[1] - 1]], device=device)
 
-    def step():
+    def prefill():
         with torch.no_grad():
-            model(last, position_ids=position, use_cache=True, logits_to_keep=1, **{cache_name: copy.deepcopy(prefill)})
+            return output_cache(model(ids[:, :-1], use_cache=True, logits_to_keep=1))
 
-    step()  # warm-up
+    def step(cache):
+        with torch.no_grad():
+            model(last, position_ids=position, use_cache=True, logits_to_keep=1, **{cache_name: cache})
+
+    step(prefill())  # warm-up
     times = {name: [] for name in ("none", *methods)}
     for _ in range(repeats):
         for name in times:
             if name != "none":
                 method, params = parse_configuration(name)
                 patch_model(model, scale=scale, method=method, **params)
-            copy_seconds = timed(lambda: copy.deepcopy(prefill), device)  # subtracted: the copy is not the step
-            times[name].append(timed(step, device) - copy_seconds)
+            # A fresh, untimed prefill under this patch: the model refuses a cache filled under
+            # another patch (or a copy of one), whose states carry other positions.
+            cache = prefill()
+            times[name].append(timed(lambda: step(cache), device))
             if name != "none":
                 unpatch_model(model)
     baseline = min(times["none"])
@@ -322,6 +327,11 @@ def _run(args: argparse.Namespace) -> int:
     # Parameters that only the model can check (its attention implementation, its rotary size), before the forwards.
     if not args.skip_forward:
         check_configurations(model, args.forward_methods, args.forward_scale)
+    native = original_context_length(model.config)
+    if args.decode_step_methods and args.decode_step_tokens <= native:
+        # Inside the native context the attention-level methods change nothing: the ratio would time a no-op.
+        raise ValueError(f"--decode-step-tokens {args.decode_step_tokens} is within the model's native context of "
+                         f"{native} tokens; give more than {native}.")
     device = next(model.parameters()).device
     report = {"model": resolve_model_path(args.model), "device": str(device), "dtype": str(model.dtype),
               "torch_threads": torch.get_num_threads()}

@@ -72,13 +72,28 @@ def argument_parser(description: str | None = None, **kwargs: Any) -> argparse.A
     return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter, **kwargs)
 
 
+def _non_empty(convert: type[str] | type[Path]) -> Any:
+    """The argparse ``type`` of a path or name option: ``convert`` (``str`` or ``Path``), refusing an
+    empty value such as ``--output-dir=``. As a path it would be the current folder; a name names nothing."""
+
+    def non_empty(text: str) -> str | Path:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("the value is empty; give one (an empty path would be the current folder)")
+        return convert(text)
+
+    return non_empty
+
+
 def add_option(parser, name: str, *aliases: str, **kwargs: Any) -> argparse.Action:
     """``parser.add_argument(name, ...)`` plus hidden alias spellings: ``aliases`` and the
-    underscore spelling of ``name``. ``name`` is the dash spelling (``--text-files``)."""
+    underscore spelling of ``name``. ``name`` is the dash spelling (``--text-files``).
+    A path or name option (``type`` str or Path) refuses an empty value (``--output-dir=``)."""
     if not name.startswith("--") or "_" in name:
         raise ValueError(f"Option names are spelled with dashes (--text-files), got {name!r}.")
     underscored = "--" + name[2:].replace("-", "_")
     hidden = [alias for alias in dict.fromkeys((underscored, *aliases)) if alias != name]
+    if kwargs.get("action", "store") in ("store", "append", "extend") and kwargs.get("type", str) in (str, Path):
+        kwargs["type"] = _non_empty(kwargs.get("type", str))
     action = parser.add_argument(name, *hidden, **kwargs)
     setattr(action, _HIDDEN, tuple(hidden))
     return action
@@ -87,9 +102,16 @@ def add_option(parser, name: str, *aliases: str, **kwargs: Any) -> argparse.Acti
 # -- the shared arguments --------------------------------------------------------------------------
 
 
+def _model_name(text: str) -> str:
+    text = _non_empty(str)(text)
+    if Path(text).is_file():  # else transformers reads it as a config file and says it is not JSON
+        raise argparse.ArgumentTypeError(f"{text} is a file; pass the checkpoint folder (or a Hub id)")
+    return text
+
+
 def add_model_argument(parser, *, default: str | None = "smollm2", help: str = MODEL_HELP) -> argparse.Action:
     """``--model``: a folder, a Hub id or an alias such as ``smollm2``; required without a default."""
-    return add_option(parser, "--model", default=default, required=default is None, help=help)
+    return add_option(parser, "--model", type=_model_name, default=default, required=default is None, help=help)
 
 
 def add_device_arguments(parser, *, device_map: bool = False) -> None:
@@ -226,6 +248,10 @@ def check_device(device: str | None) -> str | None:
     except RuntimeError:
         hint = " (to spread a model over GPUs use --device-map auto)" if name == "auto" else ""
         raise ValueError(f"--device {device} is not a device torch knows; use cpu, cuda, cuda:N or mps{hint}.") from None
+    if parsed.type not in ("cpu", "cuda", "mps"):  # torch parses xla, xpu, meta, ...: not devices this runs on
+        raise ValueError(f"--device {device}: {parsed.type} devices are not supported; use cpu, cuda, cuda:N or mps.")
+    if parsed.type == "cpu" and parsed.index not in (None, 0):
+        raise ValueError(f"--device {device}: there is one CPU device; use --device cpu.")
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"--device {device} was asked for but CUDA is not available; use --device cpu.")

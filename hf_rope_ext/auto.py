@@ -8,7 +8,9 @@ forward, which is what a reader of a long document gets; ``objective="beyond"`` 
 positions beyond the native context. The numbers behind the choice are returned, logged as a
 table, and cached per model (a fingerprint of its config and weights) in
 ``$HF_ROPE_EXT_CACHE/auto/<fingerprint>.json``, so the same question is answered at once the
-next time::
+next time. The question includes the model's fingerprint, weights dtype and attention
+implementation, so a shared ``cache_path`` never answers one model (or precision) with
+another's numbers::
 
     from hf_rope_ext import patch_model
     ids = tokenizer(long_text, return_tensors="pt").input_ids[0]
@@ -30,6 +32,7 @@ import logging
 import math
 import numbers
 import re
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -75,16 +78,19 @@ def parse_configuration(text: str) -> tuple[str, dict[str, Any]]:
     params: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise ValueError(f"configuration {text!r}: parameter {item!r} is not key=value.")
+        if key in params:
+            raise ValueError(f"configuration {text!r} gives {key} more than once; give it once.")
         try:
-            params[key.strip()] = json.loads(value)
+            params[key] = json.loads(value)
         except json.JSONDecodeError:
             if not _BARE_WORD.fullmatch(value.strip()):
                 raise ValueError(
                     f"configuration {text!r}: value {value!r} is not a number, true/false, null or a word."
                 ) from None
-            params[key.strip()] = value.strip()  # a name, such as far_positions=by-parts
+            params[key] = value.strip()  # a name, such as far_positions=by-parts
     if not method.strip():
         raise ValueError(f"configuration {text!r} names no method.")
     return method.strip(), params
@@ -271,6 +277,8 @@ def _choice_from_entry(entry: Any, key_fields: Mapping[str, Any], path: Path) ->
             values += [] if score.perplexity_inside is None else [score.perplexity_inside]
             if not all(is_finite(value) for value in values):
                 raise ValueError(f"a number of {score.configuration!r} is missing or not finite")
+            if not _consistent(score, key_fields):
+                raise ValueError(f"the perplexities of {score.configuration!r} do not follow from its mean loss")
         best = min(scores, key=lambda score: score.mean_loss)  # first of equals, as when measured
         if entry["chosen"] != best.configuration:
             raise ValueError(f"it names {entry['chosen']!r}, not the lowest loss ({best.configuration!r})")
@@ -283,6 +291,27 @@ def _choice_from_entry(entry: Any, key_fields: Mapping[str, Any], path: Path) ->
         original_length=key_fields["original_length"], objective=key_fields["objective"], scores=scores,
         calibration_sha256=key_fields["calibration_sha256"], from_cache=True, cache_path=str(path),
     )  # fmt: skip
+
+
+def _consistent(score: CandidateScore, key_fields: Mapping[str, Any]) -> bool:
+    """Whether a cached score's perplexities are those its mean loss was measured with.
+
+    The forward scores ``length - 1`` tokens: ``L0 - 1`` inside the native context, the rest
+    beyond it; objective "all" averages both, "beyond" the second only.
+    """
+    perplexities = (score.perplexity, score.perplexity_beyond, score.perplexity_inside)
+    if any(value is not None and value <= 0 for value in perplexities):
+        return False
+    inside_count, beyond_count = key_fields["original_length"] - 1, key_fields["length"] - key_fields["original_length"]
+    beyond_total = math.log(score.perplexity_beyond) * beyond_count
+    inside_total = 0.0 if score.perplexity_inside is None else math.log(score.perplexity_inside) * inside_count
+    if key_fields["objective"] == "all":
+        expected = (inside_total + beyond_total) / (inside_count + beyond_count)
+    else:
+        expected = beyond_total / beyond_count
+    return math.isclose(math.log(score.perplexity), score.mean_loss, rel_tol=1e-9, abs_tol=1e-9) and math.isclose(
+        expected, score.mean_loss, rel_tol=1e-6, abs_tol=1e-6
+    )
 
 
 def _score(model: nn.Module, ids: torch.Tensor, original_length: int, objective: str) -> tuple[float, float | None, float]:
@@ -348,13 +377,19 @@ def choose_configuration(
         length = _checked_length(length, ids.numel(), original_length, target_length)
         configurations = candidate_configurations(candidates, original_length)
         ids = ids[:length]
+        # The model, its precision and its attention kernel are part of the question: the same
+        # weights in bf16 (whose fingerprint equals fp32's) or another model sharing cache_path
+        # must not be answered with these numbers.
+        fingerprint = model_fingerprint(model)
         key_fields = {
             "scale": resolved_scale, "length": length, "original_length": original_length, "objective": objective,
             "candidates": configurations, "calibration_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
-            "scoring_version": _SCORING_VERSION,
+            "scoring_version": _SCORING_VERSION, "model_fingerprint": fingerprint,
+            "dtypes": sorted({str(parameter.dtype) for parameter in model.parameters()}),
+            "attn_implementation": getattr(getattr(model, "config", None), "_attn_implementation", None),
         }  # fmt: skip
         key = json.dumps(key_fields, sort_keys=True)
-        path = _cache_file(model_fingerprint(model), cache_path) if cache else None
+        path = _cache_file(fingerprint, cache_path) if cache else None
         entries = _read_cache(path) if path is not None else {}
         if key in entries:
             choice = _choice_from_entry(entries[key], key_fields, path)
@@ -451,19 +486,34 @@ def add_parser(subparsers) -> None:
 
 
 def _auto_command(args) -> int:
+    from .arguments import check_attention_backend
+    from .config_io import RECORD_ATTRIBUTE
     from .data import read_text, tokenize
-    from .loading import load_model
+    from .hub import restore_patch
+    from .loading import cache_dir, load_model
 
+    if not args.no_cache:
+        cache_dir()  # refuses a relative HF_ROPE_EXT_CACHE before the model loads
     if len(args.text_files) != 1:
         raise ValueError(f"give one calibration document with --text-files, got {len(args.text_files)}.")
+    check_attention_backend(args.attn_implementation, device=args.device, half_precision=args.dtype != "fp32")
     candidates = args.candidates if args.candidates in CANDIDATE_SETS else [
         part.strip() for part in args.candidates.split(";") if part.strip()]  # fmt: skip
     text = read_text(args.text_files[0])
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
                                   attn_implementation=args.attn_implementation)  # fmt: skip
+    if getattr(model.config, RECORD_ATTRIBUTE, None) is not None:
+        # A checkpoint saved patched: its config holds the patched RoPE. Rebuild the patch, so the
+        # candidates are measured from the original RoPE, as patch_model does after load_patched.
+        restore_patch(model)
     ids = tokenize(tokenizer, text)
-    choice = choose_configuration(model, ids, args.scale, max_length=args.max_length, length=args.length,
-                                  candidates=candidates, objective=args.objective, cache=not args.no_cache)  # fmt: skip
+    try:
+        choice = choose_configuration(model, ids, args.scale, max_length=args.max_length, length=args.length,
+                                      candidates=candidates, objective=args.objective,
+                                      cache=not args.no_cache)  # fmt: skip
+    except KeyboardInterrupt:
+        print("interrupted: nothing was cached for this question.", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(asdict(choice), indent=2))
     else:

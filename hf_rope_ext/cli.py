@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(__name__).debug("Traceback of the error below:", exc_info=True)
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 def one_line(error: BaseException) -> str:

@@ -626,10 +626,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=12288)
     parser.add_argument("--bucket-size", type=int, default=4096)
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "runtimes")
+    parser.add_argument("--check-args", action="store_true",
+                        help="only check the arguments and exit (check_runtimes.sh does, before its long set-up)")
     args = parser.parse_args(argv)
     unknown = [name for name in args.cases.split(",") if name not in CASES_BY_NAME]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; known: {', '.join(CASES_BY_NAME)}")
+    for option, value in (("--tokens", args.tokens), ("--bucket-size", args.bucket_size)):
+        if value < 1:
+            parser.error(f"{option} must be at least 1, got {value}")
+    if args.check_args:
+        return
     cases = [CASES_BY_NAME[name] for name in args.cases.split(",")]
     ws = Workspace(args.out, args.tokens)
     token_ids(ws)

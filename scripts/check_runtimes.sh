@@ -15,6 +15,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PROJECT_PYTHON=${PROJECT_PYTHON:-.venv/bin/python}
+# The arguments first: a typo must not wait for the download and build below (10-30 min).
+"$PROJECT_PYTHON" scripts/check_runtimes.py --check-args "$@"
 BASE_PYTHON=${RUNTIME_BASE_PYTHON:-python3}  # the interpreter the runtime venv is made from
 VERSION=0.3.36
 ROOT=$("$PROJECT_PYTHON" -c "from hf_rope_ext.loading import cache_dir; print(cache_dir() / 'runtimes')")

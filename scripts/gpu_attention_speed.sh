@@ -7,6 +7,16 @@
 set -uo pipefail
 py=${PYTHON:-python3}
 other=${1:-}
+if [ -n "$other" ]; then
+  # Only prepended to PYTHONPATH: a folder without the package would fall through to this
+  # checkout's installed one and time the same code twice as "other checkout".
+  if [ ! -f "$other/hf_rope_ext/__init__.py" ]; then
+    echo "error: $other is not a checkout of this project (no hf_rope_ext/__init__.py in it); pass the other checkout's root folder" >&2
+    exit 2
+  fi
+  other=$(cd "$other" && pwd)  # absolute: the script runs from this checkout's root
+fi
+cd "$(dirname "$0")/.." || exit 1
 "$py" -c "import sys, torch
 sys.exit(0 if torch.cuda.is_available() else 'error: no CUDA GPU visible; on the CPU run scripts/time_remapped_attention.py')" || exit 1
 for tokens in 16384 65536; do

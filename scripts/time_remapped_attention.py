@@ -21,6 +21,7 @@ import time
 import torch
 
 from hf_rope_ext import attention
+from hf_rope_ext.arguments import check_device
 
 METHODS = ("self-extend", "self-extend-by-parts", "dual-chunk")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,9 +79,10 @@ def main() -> None:
     original = 8192
     if args.tokens <= original or args.repeats < 1:
         parser.error(f"--tokens must exceed the original context {original} and --repeats be >= 1")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA GPU visible")
+    try:
+        device = torch.device(check_device(args.device) or "cpu")  # cpu, cuda(:N) or mps that this machine has
+    except ValueError as error:
+        parser.error(str(error))
     params = {"original_max_position_embeddings": original, "factor": args.tokens / original}
     if args.method == "self-extend-by-parts":
         params.update(neighbor_window=original // 4, far_positions="by-parts")

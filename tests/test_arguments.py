@@ -128,3 +128,59 @@ def test_device_is_normalised_and_checked_before_loading():
     else:
         with pytest.raises(ValueError, match="--device CUDA was asked for but CUDA is not available"):
             check_device("CUDA")
+
+
+def test_device_types_this_package_does_not_run_on_are_refused():
+    """torch parses xla, xpu, meta, ... as devices; loading onto them ended in a traceback."""
+    from hf_rope_ext.arguments import check_device
+
+    for device, message in (("xla", "--device xla: xla devices are not supported; use cpu, cuda, cuda:N or mps"),
+                            ("xpu:0", "--device xpu:0: xpu devices are not supported"),
+                            ("meta", "--device meta: meta devices are not supported"),
+                            ("cpu:5", "--device cpu:5: there is one CPU device; use --device cpu")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_device(device)
+
+
+def _refused_at_parsing(parse, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+EMPTY_VALUES = {
+    "eval --output-dir=": ["eval", "--model", "m", "--text-files", "book.txt", "--methods", "yarn", "--output-dir="],
+    "auto --text-files=": ["auto", "--model", "m", "--text-files=", "--scale", "4"],
+    "auto --model=": ["auto", "--model=", "--text-files", "book.txt", "--scale", "4"],
+    "auto --model ''": ["auto", "--model", "", "--text-files", "book.txt", "--scale", "4"],
+    "card --eval-dir=": ["card", "--model-dir", "m", "--base-model", "org/base", "--eval-dir="],
+    "card --license=": ["card", "--model-dir", "m", "--base-model", "org/base", "--license="],
+    "eval --device= ": ["eval", "--model", "m", "--text-files", "book.txt", "--output-dir", "out", "--device= "],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(EMPTY_VALUES))
+def test_an_empty_path_or_name_is_refused_when_parsed(case, tmp_path, monkeypatch, capsys):
+    """`--output-dir=` was Path("") = the current folder: eval wrote its results there."""
+    monkeypatch.chdir(tmp_path)
+    line = _refused_at_parsing(build_parser().parse_args, EMPTY_VALUES[case], capsys)
+    flag = case.split()[1].rstrip("=")
+    assert re.search(f"argument {flag}.*: the value is empty; give one", line), line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_benchmark_refuses_an_empty_output_dir(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    line = _refused_at_parsing(example("benchmark_speed").parse_args, ["--output-dir="], capsys)
+    assert "argument --output-dir" in line and "the value is empty" in line
+    assert example("benchmark_speed").parse_args(["--output-dir", "x"]).decode_step_methods == []
+
+
+def test_a_file_given_as_the_model_is_refused_naming_the_fix(tmp_path, capsys):
+    (tmp_path / "book.txt").write_text("w1 w2")
+    line = _refused_at_parsing(build_parser().parse_args, ["auto", "--model", str(tmp_path / "book.txt"),
+                                                           "--text-files", "x", "--scale", "4"], capsys)  # fmt: skip
+    assert f"{tmp_path / 'book.txt'} is a file; pass the checkpoint folder (or a Hub id)" in line

@@ -163,6 +163,11 @@ def test_a_damaged_cache_is_reported_and_measured_again(tmp_path, caplog):
         lambda entry: entry["scores"][1].update(perplexity="x"),
         lambda entry: entry["scores"][0].update(perplexity_beyond=None),
         lambda entry: entry["scores"][0].update(mean_loss=float("inf")),
+        # perplexities that do not follow from the mean loss (exp of it, and the pooled mean of inside and beyond)
+        lambda entry: entry["scores"][0].update(perplexity=1.0),
+        lambda entry: entry["scores"][0].update(perplexity_beyond=1.0),
+        lambda entry: entry["scores"][1].update(perplexity_inside=1.0),
+        lambda entry: entry["scores"][0].update(perplexity=1.0, perplexity_beyond=1.0),
         # the candidate with the higher loss named as the choice
         lambda entry: entry.update(chosen=max(entry["scores"], key=lambda score: score["mean_loss"])["configuration"]),
     ],
@@ -309,3 +314,107 @@ def test_the_printed_call_reproduces_the_measured_target(target, tmp_path, capsy
     assert get_patch_info(model).extended_context == expected
     if target == ["--scale", "2"]:
         assert "scale=2," in call  # a whole scale stays short
+
+
+def test_a_shared_cache_path_does_not_answer_one_model_with_another(tmp_path):
+    """With cache_path the file name no longer holds the model's fingerprint: the key must."""
+    shared = tmp_path / "calibration.json"
+    ids = random_ids(3 * L0)[0]
+    first, second = make_model("llama", seed=0), make_model("llama", seed=2)
+    choose_configuration(first, ids, 3, candidates=list(CANDIDATES), cache_path=shared, progress=False)
+    got = choose_configuration(second, ids, 3, candidates=list(CANDIDATES), cache_path=shared, progress=False)
+    reference = _reference_losses(second, ids, 3)
+    assert not got.from_cache
+    expected = [reference[text][0] for text in CANDIDATES]
+    assert [score.mean_loss for score in got.scores] == pytest.approx(expected, rel=1e-5)
+    assert got.chosen == min(reference, key=lambda text: reference[text][0])
+    assert len(json.loads(shared.read_text())["entries"]) == 2
+
+
+def test_the_cache_does_not_answer_bf16_with_the_fp32_numbers():
+    """Weights exact in bf16 give the same fingerprint in fp32 and bf16; the numbers differ."""
+    model = make_model("llama").to(torch.bfloat16).float()
+    ids = random_ids(3 * L0)[0]
+    candidates = ["yarn", "ntk"]
+    in_fp32 = choose_configuration(model, ids, 3, candidates=candidates, progress=False)
+    model.to(torch.bfloat16)
+    in_bf16 = choose_configuration(model, ids, 3, candidates=candidates, progress=False)
+    assert not in_bf16.from_cache
+    for score in in_bf16.scores:  # the bf16 model's own losses, from its logits in float64
+        method, params = CANDIDATES[score.configuration]
+        patch_model(model, 3, method, **params)
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0, :-1].double()
+        unpatch_model(model)
+        assert score.mean_loss == pytest.approx(float(torch.nn.functional.cross_entropy(logits, ids[1:])), rel=1e-6)
+    assert [score.mean_loss for score in in_bf16.scores] != [score.mean_loss for score in in_fp32.scores]
+    model.float()
+    assert choose_configuration(model, ids, 3, candidates=candidates, progress=False).from_cache  # fp32 still cached
+
+
+def test_a_configuration_giving_a_key_twice_is_refused():
+    from hf_rope_ext.auto import candidate_configurations, parse_configuration
+
+    with pytest.raises(ValueError, match="gives beta_fast more than once; give it once"):
+        parse_configuration("yarn:beta_fast=32,beta_fast=16")
+    with pytest.raises(ValueError, match="gives beta_fast more than once"):
+        candidate_configurations(["ntk", "yarn:beta_fast=32, beta_fast =16"], L0)
+
+
+def _cli_model(tmp_path, patched: bool = False):
+    """A tiny Llama folder with a tokenizer (saved patched yarn x4 with ``patched``), and a book."""
+    from test_bad_input import _word_tokenizer
+
+    from hf_rope_ext.hub import save_patched
+
+    model = make_model()
+    if patched:
+        patch_model(model, 4, "yarn")
+        save_patched(model, tmp_path / "model", tokenizer=_word_tokenizer())
+    else:
+        model.save_pretrained(tmp_path / "model")
+        _word_tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "book.txt").write_text(" ".join(f"w{i % 100}" for i in range(3 * L0)))
+    return ["auto", "--model", str(tmp_path / "model"), "--device", "cpu", "--text-files", str(tmp_path / "book.txt")]
+
+
+def test_ctrl_c_in_auto_is_one_line_and_caches_nothing(tmp_path, monkeypatch, capsys):
+    import hf_rope_ext.auto as auto
+    from hf_rope_ext.cli import main as cli_main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    argv = _cli_model(tmp_path)
+    monkeypatch.setattr(auto, "choose_configuration", interrupted)
+    assert cli_main([*argv, "--scale", "3", "--candidates", "yarn;ntk"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "interrupted: nothing was cached for this question."
+    assert not (tmp_path / "cache").exists()
+
+
+def test_auto_measures_a_patched_checkpoint_from_its_original_rope(tmp_path, capsys):
+    """A save_patched folder: the candidates are measured on the base model's RoPE (patch_model
+    re-patches from the original), not refused with a Python-only fix."""
+    from hf_rope_ext.cli import main as cli_main
+
+    argv = _cli_model(tmp_path, patched=True)
+    assert cli_main([*argv, "--scale", "3", "--candidates", "yarn;ntk", "--json"]) == 0
+    choice = json.loads(capsys.readouterr().out)
+    book_ids = torch.tensor([1] + [3 + i % 100 for i in range(3 * L0 - 1)])  # BOS, then the words w0 w1 ...
+    reference = _reference_losses(make_model(), book_ids, 3)
+    assert [score["mean_loss"] for score in choice["scores"]] == pytest.approx(
+        [reference["yarn"][0], reference["ntk"][0]], rel=1e-5)  # fmt: skip
+
+
+def test_auto_checks_the_attention_backend_like_eval(tmp_path, capsys):
+    import importlib.util
+
+    from hf_rope_ext.cli import main as cli_main
+
+    argv = _cli_model(tmp_path)
+    assert cli_main([*argv, "--scale", "3", "--attn-implementation", "flash_attention_2"]) == 2
+    err = capsys.readouterr().err
+    expected = "needs the flash_attn package" if importlib.util.find_spec("flash_attn") is None else "runs on CUDA GPUs"
+    assert f"error: --attn-implementation flash_attention_2 {expected}" in err

@@ -528,3 +528,83 @@ def test_demo_script_takes_a_text_file_relative_to_where_it_is_called(tmp_path):
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 2 and f"text file not found: {elsewhere / 'missing.txt'}" in result.stderr
     assert not (repo / "calls").exists()  # refused before the set-up ran
+
+
+def test_benchmark_refuses_a_decode_step_cache_inside_the_native_context(checkpoint, tmp_path, capsys):
+    """Below L0 the attention-level methods change nothing: the ratio would time a no-op."""
+    path = Path(__file__).parents[1] / "examples" / "benchmark_speed.py"
+    spec = importlib.util.spec_from_file_location("benchmark_speed", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--model", str(checkpoint / "base"), "--output-dir", str(tmp_path / "out"), "--device", "cpu",
+            "--skip-forward", "--skip-decode", "--decode-step-methods", "self-extend", "--decode-step-repeats", "1"]
+    assert module.main([*argv, "--decode-step-tokens", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: --decode-step-tokens 16 is within the model's native context of {ORIGINAL_CONTEXT} "
+                       f"tokens; give more than {ORIGINAL_CONTEXT}.")  # fmt: skip
+    assert not (tmp_path / "out" / "speed.json").exists()
+    # beyond it the benchmark runs: each patched step over a cache filled under that patch
+    assert module.main([*argv, "--decode-step-tokens", str(2 * ORIGINAL_CONTEXT)]) == 0
+    report = json.loads((tmp_path / "out" / "speed.json").read_text())
+    assert set(report["decode_step"]) >= {"none", "self-extend"}
+
+
+RECORDING_PYTHON = "#!/usr/bin/env bash\nprintf '%s|%s\\n' \"${PYTHONPATH:-}\" \"$*\" >> \"$(dirname \"$0\")/calls\"\n"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="bash script")
+def test_gpu_attention_speed_refuses_a_folder_that_is_not_a_checkout(tmp_path):
+    """The other checkout is only prepended to PYTHONPATH: a wrong folder timed this checkout twice."""
+    script = Path(__file__).parents[1] / "scripts" / "gpu_attention_speed.sh"
+    python = tmp_path / "python"
+    python.write_text(RECORDING_PYTHON)
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python)}
+    result = subprocess.run(["bash", str(script), "no-such-checkout"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True)  # fmt: skip
+    assert result.returncode == 2 and not (tmp_path / "calls").exists()
+    assert result.stderr.strip() == ("error: no-such-checkout is not a checkout of this project (no "
+                                     "hf_rope_ext/__init__.py in it); pass the other checkout's root folder")
+    (tmp_path / "other" / "hf_rope_ext").mkdir(parents=True)
+    (tmp_path / "other" / "hf_rope_ext" / "__init__.py").write_text("")
+    result = subprocess.run(["bash", str(script), "other"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    timed = [line for line in calls if "|scripts/time_remapped_attention.py " in line]
+    assert len(timed) == 12  # 2 lengths x 3 methods x (other, this)
+    # called from elsewhere: the other checkout by its absolute path, this one from the repo root
+    assert {line.split("|")[0].split(":")[0] for line in timed} == {str(tmp_path / "other"), "."}
+
+
+@pytest.mark.skipif(os.name != "posix", reason="bash script")
+def test_check_runtimes_refuses_bad_arguments_before_the_download(tmp_path):
+    import sys
+
+    repo = Path(__file__).parents[1]
+    base = tmp_path / "base-python"  # would download and build the runtime
+    base.write_text(RECORDING_PYTHON)
+    base.chmod(0o755)
+    env = {**os.environ, "PROJECT_PYTHON": sys.executable, "RUNTIME_BASE_PYTHON": str(base),
+           "HF_ROPE_EXT_CACHE": str(tmp_path / "cache")}  # fmt: skip
+    result = subprocess.run(["bash", str(repo / "scripts" / "check_runtimes.sh"), "--cases", "bogus"], env=env,
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 2 and "unknown case(s) ['bogus']" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "calls").exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tokens", "-5"], "--tokens must be at least 1, got -5"),
+    (["--bucket-size", "0"], "--bucket-size must be at least 1, got 0"),
+])  # fmt: skip
+def test_check_runtimes_refuses_token_and_bucket_counts_below_one(argv, message, capsys, monkeypatch):
+    """--tokens -5 made a workspace t-5 and saved ids[:-5]; --bucket-size 0 failed in range() at the end."""
+    import sys
+
+    path = Path(__file__).parents[1] / "scripts" / "check_runtimes.py"
+    spec = importlib.util.spec_from_file_location("check_runtimes", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "check_runtimes", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main([*argv, "--check-args"])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
