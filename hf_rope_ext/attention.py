@@ -53,6 +53,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .cache_log import FilledCaches
 from .rotary import rope_angles
 
 logger = logging.getLogger(__name__)
@@ -512,7 +513,8 @@ class KeyRotationTables:
 
     Every decoder layer of a forward (or decode step) sees the same key positions, so one
     instance per patched model computes each key map's float64 angles once per forward instead
-    of once per layer; a call with other key positions starts afresh.
+    of once per layer; a call with other key positions starts afresh, and so does a call outside
+    ``torch.inference_mode`` after one inside it (inference tensors cannot be saved for backward).
     """
 
     def __init__(self):
@@ -521,7 +523,8 @@ class KeyRotationTables:
 
     def get(self, regime: Regime, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         known = self.positions
-        if known is None or known.shape != positions.shape or known.device != positions.device or not torch.equal(known, positions):
+        stale = known is None or (known.is_inference() and not torch.is_inference_mode_enabled())
+        if stale or known.shape != positions.shape or known.device != positions.device or not torch.equal(known, positions):
             self.positions, self.tables = positions.clone(), {}
         name = regime.key_map_name
         if name not in self.tables:
@@ -1085,8 +1088,8 @@ class AttentionPatch:
     key_rotations_below_settle: KeyRotationTables = field(default_factory=KeyRotationTables)
     warned_no_weights: bool = False
     hooks: list = field(default_factory=list)  # the model's forward hooks (before_forward, after_forward)
-    # cache -> (tokens it holds, position of each row's last token) after this model's last forward on it
-    cache_ends: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    # the caches this patch filled, and where it left each (tokens, each row's last position)
+    filled: FilledCaches = field(default_factory=FilledCaches)
 
     def __deepcopy__(self, memo: dict) -> AttentionPatch:
         # A copied model (copy.deepcopy, as TRL makes reference models) needs a patch and registry
@@ -1094,10 +1097,8 @@ class AttentionPatch:
         # fail once the original is unpatched.
         copied = object.__new__(type(self))
         memo[id(self)] = copied
-        for item in fields(self):
-            # the caches the original filled are not the copy's (and a weak dictionary would copy them)
-            value = weakref.WeakKeyDictionary() if item.name == "cache_ends" else getattr(self, item.name)
-            setattr(copied, item.name, copy.deepcopy(value, memo))
+        for item in fields(self):  # the caches the original filled are not the copy's (see FilledCaches)
+            setattr(copied, item.name, copy.deepcopy(getattr(self, item.name), memo))
         copied.name = _registry_name(self.original_implementation)
         _register(copied)
         if getattr(copied.config, "_attn_implementation", None) == self.name:
@@ -1222,32 +1223,41 @@ class AttentionPatch:
         """Forward pre-hook of the model.
 
         The geometry recorded by :meth:`mask` belongs to one forward: a forward whose mask
-        function does not run must not read an earlier one's. And the cached keys are taken to
-        sit at the positions just before the new tokens (see :func:`_key_positions`): a call that
-        continues a cache with positions that jump is refused, not computed with wrong distances.
+        function does not run must not read an earlier one's. A cache this patch did not fill
+        (before patching, under another patch) is refused: its keys carry other rotations. And
+        the cached keys are taken to sit at the positions just before the new tokens (see
+        :func:`_key_positions`): a call that continues a cache with positions that jump is
+        refused, not computed with wrong distances.
         """
         self.geometry.clear()
-        cache, positions = _cache_and_positions(module, args, kwargs)
-        seen = self.cache_ends.get(cache) if cache is not None and positions is not None else None
-        if seen is None or _cached_tokens(cache) != seen[0] or positions.shape[0] != seen[1].shape[0]:
-            return  # nothing recorded, or the cache was cropped or refilled since: nothing to compare
-        expected = seen[1].to(positions.device) + 1
+        name, cache, positions = _cache_and_positions(module, args, kwargs)
+        if cache is None:
+            return
+        end = self.filled.check(cache, name)
+        if end is None or end.last_positions is None or positions is None:
+            return  # an empty cache, or last positions unknown (cropped, or taken from the cache)
+        last = end.last_positions
+        if positions.shape[0] != last.shape[0] and 1 not in (positions.shape[0], last.shape[0]):
+            return
+        expected = last.to(positions.device) + 1
         if bool((positions[:, 0] != expected).any()):
             raise ValueError(
-                f"attention-level methods take the {seen[0]} cached tokens to sit just before the new ones, but the new "
+                f"attention-level methods take the {end.tokens} cached tokens to sit just before the new ones, but the new "
                 f"position_ids start at {positions[:, 0].tolist()}, not {expected.tolist()}. Continue a cache with the "
                 "positions that follow it, or run the whole sequence in one forward."
             )
 
     def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """Forward hook of the model: where the cache it filled ends (tokens, last positions)."""
-        cache, positions = _cache_and_positions(module, args, kwargs)
+        """Forward hook of the model: where the cache it filled ends (tokens, each row's last position)."""
+        from . import compat
+
+        _, cache, positions = _cache_and_positions(module, args, kwargs)
         if cache is None:
-            return
-        if positions is None:
-            self.cache_ends.pop(cache, None)  # positions from the cache itself: contiguous, nothing to check
-        else:
-            self.cache_ends[cache] = (_cached_tokens(cache), positions[:, -1].detach().clone())
+            cache = compat.output_cache(output)  # one the model made (use_cache=True without a cache)
+            if not compat.is_cache(cache):
+                return
+        # Without position ids the model took them from the cache: contiguous, nothing to check later.
+        self.filled.record(cache, None if positions is None else positions[:, -1].detach().clone())
 
     def mask(self, *args, **kwargs):
         """The mask function registered for this model: the original one, plus the cache geometry."""
@@ -1338,8 +1348,8 @@ def _packed_bounds(position_ids: torch.Tensor, kwargs: Mapping[str, Any], query_
 _FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}  # per model class: read once, bound per forward
 
 
-def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, torch.Tensor | None]:
-    """The KV cache and the 2-D position ids of a call to the model (None where not given)."""
+def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[str | None, Any, torch.Tensor | None]:
+    """The name and KV cache of a call to the model, and its 2-D position ids (None where not given)."""
     from . import compat
 
     signature = _FORWARD_SIGNATURES.get(type(module))
@@ -1348,16 +1358,12 @@ def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[
     try:
         arguments = compat.call_arguments(signature, args, kwargs)
     except TypeError:
-        return None, None
-    _, cache = compat.cache_argument(arguments)
+        return None, None, None
+    name, cache = compat.cache_argument(arguments)
     positions = arguments.get("position_ids")
-    if not compat.is_cache(cache) or not isinstance(positions, torch.Tensor) or positions.dim() != 2:
-        return (cache if compat.is_cache(cache) else None), None
-    return cache, positions
-
-
-def _cached_tokens(cache: Any) -> int:
-    return int(cache.get_seq_length())
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+        positions = None
+    return name, (cache if compat.is_cache(cache) else None), positions
 
 
 def _query_slot_from_mask(attention_mask: torch.Tensor, query_len: int, key_len: int) -> int:
@@ -1430,12 +1436,14 @@ def install(
     remap_below_settle: PositionRemap | None = None,
     inv_freq_below_settle: torch.Tensor | None = None,
     model: nn.Module | None = None,
+    method: str | None = None,
 ) -> AttentionPatch:
     """Route this model's attention through :meth:`AttentionPatch.attention`; see the module docstring.
 
     ``inv_freq`` are the frequencies the queries and keys are rotated with whenever the remap
     applies (``remap_applies()``, default always); otherwise ``remap_below_settle`` (if given)
-    applies, with ``inv_freq_below_settle``."""
+    applies, with ``inv_freq_below_settle``. ``method``: the patch's name, for the refusal of a
+    cache filled without it."""
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation not in SUPPORTED_IMPLEMENTATIONS:
         raise ValueError(
@@ -1453,6 +1461,7 @@ def install(
         remap_applies=remap_applies,
         remap_below_settle=remap_below_settle,
         inv_freq_below_settle=None if inv_freq_below_settle is None else inv_freq_below_settle.detach().to(torch.float64).cpu(),
+        filled=FilledCaches(method),
     )
     if model is not None:  # bound methods, so that copy.deepcopy binds the copy's hooks to the copy's patch
         patch.hooks.append(model.register_forward_pre_hook(patch.before_forward, with_kwargs=True))

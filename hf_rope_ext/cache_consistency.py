@@ -47,7 +47,7 @@ from torch import nn
 from transformers import GenerationMixin
 
 from . import compat
-from .cache_log import CacheLogs, InputLog
+from .cache_log import CacheLogs, FilledCaches, InputLog, foreign_cache_error
 from .rotary import ExtendedRotaryEmbedding
 from .validation import check_context, check_length
 
@@ -161,11 +161,7 @@ class PrefixRecompute:
         log = self._synced_log(cache) if compat.is_cache(cache) else None
         if log is None:
             if past > 0:
-                raise RuntimeError(
-                    f"The KV cache passed to the model already holds {past} tokens that were not written under the "
-                    f"current '{self.rotary.method.name}' patch (filled before patching, or by another patch), so "
-                    f"their states carry other frequencies. Start from a fresh cache ({self.cache_name}=None)."
-                )
+                raise foreign_cache_error(past, 0, self.rotary.method.name, self.cache_name)
             frequency_length = self._frequency_length(needed)
             written = InputLog((inputs,), positions, mask, frequency_length)
             self._start(_Call(kwargs, cache, written, new_tokens, False, frequency_length))
@@ -247,10 +243,7 @@ class PrefixRecompute:
             log = log.cropped(cached)
             self.logs.set(cache, log)
         elif cached > log.width:
-            raise RuntimeError(
-                f"The KV cache holds {cached} tokens but only {log.width} were written through the patched model; "
-                "it was modified outside the model. Start from a fresh cache."
-            )
+            raise foreign_cache_error(cached, log.width, self.rotary.method.name, self.cache_name)
         return log
 
     def _joined(self, segments: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -274,6 +267,51 @@ class PrefixRecompute:
         if isinstance(output, tuple):
             return (output[0][:, -new_tokens:],) + output[1:]
         raise TypeError(f"Unexpected output type {type(output).__name__} from the patched model.")
+
+
+_FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}  # per model class: read once, bound per forward
+
+
+class CacheRecord:
+    """Forward hooks that refuse a KV cache the current patch did not fill, for patches without
+    other cache hooks (static methods): its states carry the frequencies they were written with, so
+    a cache filled before patching or under another patch would continue with wrong ones.
+
+    (:class:`PrefixRecompute` and the attention-level methods' hooks keep this record themselves.)
+    """
+
+    def __init__(self, caller: nn.Module, method: str):
+        self.filled = FilledCaches(method)
+        self.handles = [
+            caller.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            caller.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _cache(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[str | None, Any]:
+        signature = _FORWARD_SIGNATURES.get(type(module))
+        if signature is None:  # kept per class, not here: a static patch pickles with the model
+            signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(module.forward)
+        try:
+            name, cache = compat.cache_argument(compat.call_arguments(signature, args, kwargs))
+        except TypeError:  # the forward itself will say what is wrong with its arguments
+            return None, None
+        return name, (cache if compat.is_cache(cache) else None)
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        name, cache = self._cache(module, args, kwargs)
+        if cache is not None:
+            self.filled.check(cache, name)
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        _, cache = self._cache(module, args, kwargs)
+        cache = cache if cache is not None else compat.output_cache(output)  # one the model made
+        if compat.is_cache(cache):
+            self.filled.record(cache, None)
 
 
 def _padding_of_new_tokens(mask: Any, past: int, new_tokens: int, device: torch.device) -> torch.Tensor:
@@ -305,11 +343,8 @@ _WRAPPED_ATTRIBUTE = "_hf_rope_ext_generate_before"
 
 
 def _recomputes_in(model: nn.Module) -> list[PrefixRecompute]:
-    return [
-        module.cache_guard
-        for module in model.modules()
-        if isinstance(module, ExtendedRotaryEmbedding) and getattr(module, "cache_guard", None) is not None
-    ]
+    guards = [getattr(module, "cache_guard", None) for module in model.modules() if isinstance(module, ExtendedRotaryEmbedding)]
+    return [guard for guard in guards if isinstance(guard, PrefixRecompute)]  # static patches' CacheRecord plans nothing
 
 
 def _generate_with_plan(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -1,10 +1,11 @@
-"""What each KV cache was filled with, so that its states can be recomputed.
+"""What each KV cache was filled with, so that its states can be recomputed, and which patch filled it.
 
 :class:`CacheLogs` maps caches (weakly: a dropped cache frees its log) to an :class:`InputLog`
-and keeps each log in step with its cache's batch operations: ``reorder_cache`` (beam search),
-``batch_select_indices`` and ``batch_repeat_interleave``, through instance-level wrappers that
-hold only weak references, and ``copy.deepcopy(cache)``, whose copy gets the same log. A
-``crop`` is not wrapped: the reader of a log cuts it to the length the cache reports.
+(or, in :class:`FilledCaches`, to a :class:`CacheEnd`) and keeps each log in step with its
+cache's batch operations: ``reorder_cache`` (beam search), ``batch_select_indices`` and
+``batch_repeat_interleave``, through instance-level wrappers that hold only weak references,
+and ``copy.deepcopy(cache)``, whose copy gets the same log. A ``crop`` is not wrapped: the
+reader of a log cuts it to the length the cache reports.
 """
 
 from __future__ import annotations
@@ -86,8 +87,35 @@ def _broadcast_cat(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.cat([_expand_batch(old, batch), _expand_batch(new, batch).to(old.device)], dim=1)
 
 
+@dataclass(frozen=True)
+class CacheEnd:
+    """Where the last forward under one patch left a cache: the tokens it held, and the position of
+    each row's last token (None: unknown, as after a ``crop``, or taken from the cache by the model)."""
+
+    tokens: int
+    last_positions: torch.Tensor | None  # (batch or 1,)
+
+    def rows(self, select: Callable[[torch.Tensor], torch.Tensor]) -> CacheEnd:
+        """The record after the cache's rows went through ``select`` (a batch operation)."""
+        if self.last_positions is None or self.last_positions.shape[0] == 1:  # a batch of 1 broadcasts
+            return self
+        return CacheEnd(self.tokens, select(self.last_positions))
+
+
+def foreign_cache_error(held: int, written: int, method: str | None, argument: str | None) -> ValueError:
+    """The refusal of a cache whose states were not all written under the current patch."""
+    patch = "patch" if method is None else f"'{method}' patch"
+    return ValueError(
+        f"The KV cache passed to the model holds {held} tokens, {held - written} of them not written under this "
+        f"model's current {patch} (filled before patching, under another patch, or outside the model), so "
+        f"their states carry other positions or frequencies; start from a fresh cache ({argument or 'cache'}=None) "
+        "or run the whole sequence in one forward."
+    )
+
+
 class CacheLogs:
-    """The :class:`InputLog` of each cache one owner filled, keyed weakly by the cache object."""
+    """The log (:class:`InputLog`, or another record with ``rows``) of each cache one owner filled,
+    keyed weakly by the cache object."""
 
     def __init__(self) -> None:
         self._logs: weakref.WeakKeyDictionary[Any, InputLog] = weakref.WeakKeyDictionary()
@@ -125,6 +153,41 @@ class CacheLogs:
         log = self._logs.get(cache)
         if log is not None and duplicate not in self._logs:
             self._logs[duplicate] = log
+
+
+class FilledCaches(CacheLogs):
+    """The caches one patch filled and where it left each (:class:`CacheEnd`), so that a cache
+    written before patching or under another patch is refused rather than continued with states
+    that carry other positions or frequencies (a model's patch is replaced, never edited)."""
+
+    def __init__(self, method: str | None = None) -> None:
+        super().__init__()
+        self.method = method
+
+    def __deepcopy__(self, memo: dict) -> FilledCaches:
+        return FilledCaches(self.method)  # a copy of the model continues none of the original's caches
+
+    def __reduce__(self) -> tuple:
+        return FilledCaches, (self.method,)  # nor does a pickled model (static patches pickle)
+
+    def check(self, cache: Any, argument: str | None = None) -> CacheEnd | None:
+        """Where this patch left ``cache`` (None: the cache is empty); ``ValueError`` if it holds
+        tokens this patch did not write. ``argument``: the name the cache was passed under."""
+        held = int(cache.get_seq_length())
+        end = self.get(cache)
+        if held == 0:  # new, or `reset` (generate reuses its static cache)
+            self.discard(cache)
+            return None
+        if end is None or held > end.tokens:
+            raise foreign_cache_error(held, 0 if end is None else end.tokens, self.method, argument)
+        if held < end.tokens:  # `crop` removed tokens from the end (assisted decoding)
+            end = CacheEnd(held, None)
+            self.set(cache, end)
+        return end
+
+    def record(self, cache: Any, last_positions: torch.Tensor | None) -> None:
+        """A forward under this patch wrote to ``cache``; ``last_positions``: each row's last position."""
+        self.set(cache, CacheEnd(int(cache.get_seq_length()), last_positions))
 
 
 # How each batch operation of a Cache moves its rows, applied to a log tensor.

@@ -166,8 +166,9 @@ def output_cache(output: Any) -> Any:
 def planned_generation_length(model: Any, args: tuple, kwargs: dict) -> int | None:
     """The sequence length a ``model.generate(*args, **kwargs)`` call can reach, or None if unknown.
 
-    The prompt's width plus ``max_new_tokens`` (from the call, a ``generation_config`` passed
-    to it, or the model's own), else an explicit ``max_length`` (the total). Without either,
+    The prompt's width plus ``max_new_tokens``, else ``max_length`` (the total), each read as
+    transformers reads it: from the call, a ``generation_config`` passed to it, or the model's
+    own (``generation_config.json``), and ``max_new_tokens`` wins where both are set. Without either,
     transformers' default (a few new tokens, capped at the context) is left unplanned: the
     cache guard then follows the sequence as it grows, which is exact, only slower.
     """
@@ -185,5 +186,5 @@ def planned_generation_length(model: Any, args: tuple, kwargs: dict) -> int | No
     max_new_tokens = setting("max_new_tokens")
     if max_new_tokens is not None:
         return width + int(max_new_tokens)
-    max_length = kwargs.get("max_length")
+    max_length = setting("max_length")
     return None if max_length is None else max(int(max_length), width)

@@ -120,6 +120,17 @@ class RopeMethod:
     settle_length: Callable[[Mapping[str, Any]], int] | None = None
     attention_below_settle: Callable[[Mapping[str, Any]], Any] | None = None
 
+    # A method is its registry entry: a pickled patch names it (its functions may be lambdas or
+    # closures, which pickle cannot store), and copies of a patched model share it.
+    def __reduce__(self):
+        return _registered_method, (self.name,)
+
+    def __copy__(self) -> RopeMethod:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> RopeMethod:
+        return self
+
     def translator(self, runtime: str) -> Callable[..., Any] | None:
         """The method's translator for ``runtime`` (see ``runtimes``), or None if it declares none."""
         if runtime not in RUNTIMES:
@@ -140,6 +151,16 @@ REQUIRED: Any = _Required()
 
 _REGISTRY: dict[str, RopeMethod] = {}
 _BUILTIN: set[str] = set()
+
+
+def _registered_method(name: str) -> RopeMethod:
+    """The method a pickled patch names, from this process's registry."""
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"The pickled model was patched with RoPE method {name!r}, which is not registered in this process; "
+            "register it (hf_rope_ext.register_method) before loading."
+        )
+    return _REGISTRY[name]
 
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -527,9 +548,17 @@ def _first_line(text: str | None) -> str:
     return lines[0] if lines else ""
 
 
+# The smallest attention factor kept as a normal float32: below it cos and sin round to 0 (or
+# to subnormals), and attention loses every position (uniform weights).
+MIN_ATTENTION_FACTOR = torch.finfo(torch.float32).tiny
+
+
 def _check_optional_positive(name: str, value: Any) -> None:
-    if value is not None and not (is_real(value) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0 or None (derived), got {value!r}.")
+    if value is not None and not (is_real(value) and math.isfinite(value) and value >= MIN_ATTENTION_FACTOR):
+        raise ValueError(
+            f"{name} must be a finite number > 0 (at least {MIN_ATTENTION_FACTOR:.3g}, float32's smallest normal "
+            f"number) or None (derived), got {value!r}."
+        )
 
 
 def checked_frequencies(
@@ -580,8 +609,11 @@ def checked_frequencies(
     if not (is_real(attention_factor) or scalar_tensor):
         raise ValueError(f"{where} returned attention factor {attention_factor!r}; it must be a number.")
     attention_factor = float(attention_factor)
-    if not (math.isfinite(attention_factor) and attention_factor > 0):
-        raise ValueError(f"{where} returned attention factor {attention_factor!r}; it must be finite and > 0.")
+    if not (math.isfinite(attention_factor) and attention_factor >= MIN_ATTENTION_FACTOR):
+        raise ValueError(
+            f"{where} returned attention factor {attention_factor!r}; it must be finite and > 0 (at least "
+            f"{MIN_ATTENTION_FACTOR:.3g}, float32's smallest normal number)."
+        )
     return inv_freq, attention_factor
 
 
@@ -726,10 +758,13 @@ def register_method(
         raise ValueError(f"RoPE method {name!r} is {kind}; choose another name or call unregister_method({name!r}).")
     if not callable(compute):
         raise TypeError(f"compute must be callable, got {type(compute).__name__}.")
-    defaults = dict(defaults or {})
+    defaults = {key: value if value is REQUIRED else plain_value(value) for key, value in dict(defaults or {}).items()}
     clash = set(defaults) & set(COMMON_PARAMS)
     if clash:
         raise ValueError(f"defaults must not contain {sorted(clash)}: these are set from scale/max_length.")
+    for key, value in defaults.items():
+        if value is not REQUIRED:
+            _check_json(value, f"defaults[{key!r}]")
     if transformers_rope_type is not None and rope_parameters is None:
         rope_parameters = _NATIVE_WRITERS.get(transformers_rope_type)
         if rope_parameters is None:
@@ -849,13 +884,37 @@ def resolve_params(method: RopeMethod, rotary_dim: int | None, user_params: Mapp
             method.validate(rotary_dim, params)
         except (OverflowError, ZeroDivisionError) as error:  # finite but absurd values (1e308)
             raise ValueError(f"Parameters of method {method.name!r} are out of range ({error}): {params}.") from None
+    for key, value in params.items():  # the patch record (config.json) must hold them
+        _check_json(value, f"Parameter {key!r} of method {method.name!r}")
     return params
+
+
+def _check_json(value: Any, what: str) -> None:
+    """Refuse a value the patch record (config.json) could not hold: it must be plain JSON."""
+
+    def plain(item: Any) -> bool:
+        if item is None or type(item) in (bool, int, float, str):
+            return True
+        if type(item) is list:
+            return all(plain(element) for element in item)
+        if type(item) is dict:
+            return all(type(key) is str and plain(element) for key, element in item.items())
+        return False
+
+    if not plain(value):
+        raise TypeError(
+            f"{what} must be a JSON value (a number, string, bool, None, or a list or str-keyed dict of them), "
+            f"got {type(value).__name__} {value!r:.80}."
+        )
 
 
 def plain_value(value: Any) -> Any:
     """``value`` as plain Python: numpy and torch scalars become ``int``/``float``/``bool``,
-    arrays, tensors and tuples become lists of those (so a patch can be written as JSON)."""
-    if type(value) in (bool, int, float, str) or value is None:
+    arrays, tensors and tuples become lists of those (so a patch can be written as JSON), and
+    -0.0 becomes 0.0 (the same patch gives the same config)."""
+    if type(value) is float:
+        return value + 0.0  # -0.0 + 0.0 == +0.0
+    if type(value) in (bool, int, str) or value is None:
         return value
     if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":  # scalars and arrays alike
         return plain_value(value.tolist()) if hasattr(value, "tolist") else value
@@ -864,9 +923,11 @@ def plain_value(value: Any) -> Any:
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):
-        return float(value)
+        return float(value) + 0.0
     if isinstance(value, (list, tuple)):
         return [plain_value(item) for item in value]
+    if isinstance(value, Mapping):
+        return {key: plain_value(item) for key, item in value.items()}
     return value
 
 

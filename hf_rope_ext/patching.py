@@ -1,15 +1,16 @@
 """Swap a loaded model's rotary embedding for a scaled one, in place, and give it back.
 
 Only the model instance changes: one submodule is replaced (the original is kept for
-:func:`unpatch_model`), ``model.config`` is updated in place, and length-dependent methods add
-two forward hooks on the module that calls the rotary embedding. No class or module-level
-function of transformers is touched.
+:func:`unpatch_model`), the model gets its own copy of its config, which describes the patch
+(another model built from the same config object is not affected; unpatching puts the original
+object back), and length-dependent methods add two forward hooks on the module that calls the
+rotary embedding. No class or module-level function of transformers is touched.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import copy
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -18,10 +19,10 @@ import torch
 from torch import nn
 
 from . import compat, config_io
-from .cache_consistency import PrefixRecompute
+from .cache_consistency import CacheRecord, PrefixRecompute
 from .families import check_supported, tested_families
-from .methods import default_inv_freq
-from .rotary import ExtendedRotaryEmbedding
+from .methods import default_inv_freq, list_methods
+from .rotary import ExtendedRotaryEmbedding, attention_dropout_message
 from .spec import (
     DEFAULT_STEPS_PER_DOUBLING,
     NOT_GIVEN,
@@ -31,7 +32,7 @@ from .spec import (
     split_method_spec,
     whole_token_scale,
 )
-from .validation import check_length
+from .validation import check_length, is_real
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +71,20 @@ def _model_type(model: nn.Module) -> str:
     return getattr(config, "model_type", None) or type(model).__name__
 
 
-def _patched_modules(model: nn.Module) -> list[tuple[str, ExtendedRotaryEmbedding]]:
+def _check_is_model(model: Any, function: str) -> None:
+    """Refuse what is not a model: a non-module, or the rotary module itself (patched or not),
+    which would be replaced inside itself."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"Expected a torch.nn.Module (a transformers model), got {type(model).__name__}.")
+        raise TypeError(f"{function} expects a torch.nn.Module (a transformers model), got {type(model).__name__}.")
+    if isinstance(model, ExtendedRotaryEmbedding) or isinstance(getattr(model, "inv_freq", None), torch.Tensor):
+        raise ValueError(
+            f"{function} expects the model (e.g. LlamaForCausalLM or its .model), not its rotary embedding module "
+            f"({type(model).__name__}); pass the model that holds it."
+        )
+
+
+def _patched_modules(model: nn.Module, function: str = "hf_rope_ext") -> list[tuple[str, ExtendedRotaryEmbedding]]:
+    _check_is_model(model, function)
     return [(name, module) for name, module in model.named_modules() if isinstance(module, ExtendedRotaryEmbedding)]
 
 
@@ -81,8 +93,7 @@ def find_rotary_module(model: nn.Module) -> tuple[str, nn.Module]:
 
     Raises ``ValueError`` naming the model type when there is none or more than one.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"patch_model expects a torch.nn.Module (a transformers model), got {type(model).__name__}.")
+    _check_is_model(model, "patch_model")
     model_type = _model_type(model)
     check_supported(model_type)
     candidates = [
@@ -213,9 +224,12 @@ def patch_model(
     ``objective``, ``calibration_length`` and ``cache`` instead of method parameters, and the
     patch it leaves (``get_patch_info``, saved configs) names the method it chose.
 
-    The model's config is updated to describe the patch (see :mod:`hf_rope_ext.config_io`).
+    The model gets its own copy of its config, updated to describe the patch (see
+    :mod:`hf_rope_ext.config_io`); a config object it shares with another model is left as it
+    was, and :func:`unpatch_model` puts it back.
     Patching an already patched model starts again from the original: scales never compound.
     """
+    _check_is_model(model, "patch_model")
     if isinstance(method, str) and method == AUTO_METHOD:
         with _keeping_the_patch_on_error(model):
             return _patch_auto(model, scale, max_length, original_max_length, steps_per_doubling, logn_attention, params)
@@ -243,16 +257,22 @@ def _keeping_the_patch_on_error(model: nn.Module) -> Iterator[None]:
     """Re-patching starts from the original model; if the new patch is refused (a bad scale or
     parameter, checked only then), the model gets its previous patch back, not none."""
     previous = get_patch_info(model)
+    if previous is not None and previous.method not in list_methods():
+        # Its frequencies could not be rebuilt if the new patch were refused.
+        raise ValueError(
+            f"This model is patched with method {previous.method!r}, which has been unregistered; register it again "
+            "(hf_rope_ext.register_method) or call unpatch_model(model) first."
+        )
     try:
         yield
     except BaseException:
         if previous is not None and not _patched_modules(model):
-            _install(model, _rotary_target(model), previous)
+            _install(model, _rotary_target(model), previous, restoring=True)
         raise
 
 
 _AUTO_OPTIONS = {"calibration_ids": "calibration_ids", "candidates": "candidates", "objective": "objective",
-                 "calibration_length": "length", "cache": "cache"}  # fmt: skip
+                 "calibration_length": "length", "cache": "cache", "progress": "progress"}  # fmt: skip
 
 
 def _patch_auto(model, scale, max_length, original_max_length, steps_per_doubling, logn_attention, options):
@@ -284,6 +304,7 @@ def apply_spec(model: nn.Module, spec: PatchSpec) -> nn.Module:
     """
     if not isinstance(spec, PatchSpec):
         raise TypeError(f"apply_spec expects a PatchSpec, got {type(spec).__name__}.")
+    _check_is_model(model, "apply_spec")
     with _keeping_the_patch_on_error(model):
         _install(model, _rotary_target(model), spec)
     return model
@@ -329,6 +350,11 @@ def _rotary_target(model: nn.Module) -> _Target:
             "hf_rope_ext extends models that use plain RoPE. Load the model without that scaling first."
         )
     target = _Target(module_name, original, config, model_type, rope)
+    if original.inv_freq.is_meta:
+        raise ValueError(
+            f"model_type {model_type!r}: the model is on the meta device (no weights yet); load its weights "
+            "(from_pretrained, or to_empty and load_state_dict), then patch it."
+        )
     _verify_layout(original, target.rotary_dim, target.base, model_type)
     return target
 
@@ -341,15 +367,21 @@ def describe_record(record: Any) -> str:
     return f"{record.get('method', '?')} x{record.get('scale', '?')} from {original} tokens"
 
 
-def _install(model: nn.Module, target: _Target, spec: PatchSpec) -> None:
+def _install(model: nn.Module, target: _Target, spec: PatchSpec, restoring: bool = False) -> None:
+    """Apply ``spec`` to ``target`` in ``model``. ``restoring``: putting back a patch the model
+    had (after the new one was refused), which the training-mode check must not refuse."""
     spec = spec.bound_to(target.rotary_dim, target.base, target.kept, target.module_name)
-    config, original, base, rotary_dim = target.config, target.module, target.base, target.rotary_dim
+    original, base, rotary_dim = target.module, target.base, target.rotary_dim
     rope_method = spec.rope_method
     resolved = spec.resolved_params()
     original_length = spec.original_max_position_embeddings
-    remap = rope_method.attention(resolved) if rope_method.attention is not None else None
+    remap = _position_remap(spec, rope_method.attention, resolved)
     below = rope_method.attention_below_settle
-    remap_below_settle = below(resolved) if below is not None and rope_method.settle_length is not None else None
+    remap_below_settle = _position_remap(spec, below, resolved) if rope_method.settle_length is not None else None
+    attention_level = remap is not None or spec.logn_attention
+    dropout = _attention_dropout(model, target.config) if attention_level else 0.0
+    if dropout and model.training and not restoring:  # (a training forward refuses it anyway)
+        raise ValueError(attention_dropout_message(spec.label, dropout))
 
     extended = spec.extended_context
     try:
@@ -364,43 +396,50 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec) -> None:
             f"{extended} tokens: the patch would do nothing. Check the method's parameters."
         )
 
+    # The patch is written to a copy of the config, which the model gets once everything else
+    # worked: the config object may be shared with another model (two models built from one
+    # config), which must not change.
+    config = copy.deepcopy(target.config)
     new_rope, max_positions = config_io.rope_config_for(rope_method, resolved, base, rotary_dim, spec.kept)
     # Phi-3 configs also hold the trained context at the top level, and transformers takes it over
     # rope_parameters' (its class default, 4096, often differs): it must say L0 as well.
-    top_level = ("original_max_position_embeddings",) if hasattr(config, "original_max_position_embeddings") else ()
-    rotary.saved_config = compat.snapshot_config(config, (config_io.RECORD_ATTRIBUTE, *top_level))
-    rotary.spec = spec
-    try:
-        if top_level:
-            config.original_max_position_embeddings = original_length
-        compat.write_rope_config(config, new_rope, max_positions)
-    except Exception:
-        compat.restore_config(config, rotary.saved_config)
-        raise
+    if hasattr(config, "original_max_position_embeddings"):
+        config.original_max_position_embeddings = original_length
+    compat.write_rope_config(config, new_rope, max_positions)
     setattr(config, config_io.RECORD_ATTRIBUTE, spec.to_record())
+    rotary.config, rotary.original_config, rotary.spec = config, target.config, spec
+    rotary.attention_dropout = dropout
+    rotary.train(original.training)  # a new module is in training mode; the model may not be
 
     caller, attribute = owner_and_attribute(model, target.module_name)
     try:
-        rotary.cache_guard = PrefixRecompute(caller, rotary, model) if rope_method.length_dependent else None
-        if remap is not None or spec.logn_attention:
-            from . import attention as attention_level
+        if rope_method.length_dependent:
+            rotary.cache_guard = PrefixRecompute(caller, rotary, model)
+        elif not attention_level:  # attention-level patches keep this record in their own hooks
+            rotary.cache_guard = CacheRecord(caller, rope_method.name)
+        if attention_level:
+            from . import attention as attention_level_module
 
             settled = rotary.settle_length
             # A remap that starts at a settle length rotates with the settled frequencies.
             remap_freq = inv_freq if settled is None else rotary.frequencies(settled + 1)[0]
-            rotary.attention_patch = attention_level.install(
+            rotary.attention_patch = attention_level_module.install(
                 config, remap, remap_freq, original_length, spec.logn_attention,
-                remap_applies=None if settled is None else rotary.remap_applies,
+                # Always the rotary's own test (true at every length without a settle length): the
+                # attention patch then refers to the rotary module, so pickling a patched model
+                # reaches the rotary module's refusal (ExtendedRotaryEmbedding.__reduce_ex__).
+                remap_applies=rotary.remap_applies,
                 remap_below_settle=remap_below_settle,
                 inv_freq_below_settle=None if remap_below_settle is None else rotary.frequencies(settled)[0],
                 model=caller,
+                method=rope_method.name,
             )
     except Exception:
         if rotary.cache_guard is not None:
             rotary.cache_guard.remove()
-        compat.restore_config(config, rotary.saved_config)
         raise
     setattr(caller, attribute, rotary)
+    _swap_config(model, target.config, config)
     logger.info(
         "Patched %s (%s) with %s, scale %g: context %d -> %d tokens.",
         target.module_name,
@@ -412,22 +451,62 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec) -> None:
     )
 
 
+def _position_remap(spec: PatchSpec, make_remap: Any, resolved: dict[str, Any]) -> Any:
+    """The method's position remap (None without one), checked: a registered ``attention=``
+    function that returns anything else would fail only at the first long forward."""
+    if make_remap is None:
+        return None
+    from .attention import PositionRemap
+
+    remap = make_remap(resolved)
+    if not isinstance(remap, PositionRemap):
+        raise ValueError(
+            f"method {spec.method!r}: attention must return a hf_rope_ext.attention.PositionRemap, "
+            f"got {type(remap).__name__}."
+        )
+    return remap
+
+
+def _attention_dropout(model: nn.Module, config: Any) -> float:
+    """The largest attention dropout of the model: its config's, or an attention module's own copy."""
+    values = [getattr(config, "attention_dropout", 0.0)]
+    values += [getattr(module, "attention_dropout", 0.0) for module in model.modules()]
+    return max((float(value) for value in values if is_real(value)), default=0.0)
+
+
+def _swap_config(model: nn.Module, old: Any, new: Any) -> None:
+    """Point every module of ``model`` that holds the config ``old`` (``model.config``, each
+    layer's ``.config``) at ``new``. The patched rotary module keeps both on purpose."""
+    for module in model.modules():
+        if isinstance(module, ExtendedRotaryEmbedding):
+            continue
+        attributes = vars(module)
+        for name, value in list(attributes.items()):
+            if value is old:
+                attributes[name] = new
+
+
 def unpatch_model(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_model`: the original rotary module, config and no hooks. Returns the model."""
-    patched = _patched_modules(model)
+    """Undo :func:`patch_model`: the original rotary module, config object and no hooks. Returns the model."""
+    patched = _patched_modules(model, "unpatch_model")
     if not patched:
         raise ValueError(f"{type(model).__name__} is not patched by hf_rope_ext; nothing to undo.")
     for module_name, rotary in patched:
+        # The module and the config first: nothing below can fail and leave the model half patched.
+        caller, attribute = owner_and_attribute(model, module_name)
+        setattr(caller, attribute, rotary.original_rotary)
+        _swap_config(model, rotary.config, rotary.original_config)
         if rotary.cache_guard is not None:
             rotary.cache_guard.remove()
         if rotary.attention_patch is not None:
             from . import attention as attention_level
 
             attention_level.uninstall(rotary.attention_patch)
-        original = rotary.original_rotary
-        compat.restore_config(rotary.config if rotary.config is not None else model.config, rotary.saved_config)
-        caller, attribute = owner_and_attribute(model, module_name)
-        setattr(caller, attribute, original)
+        # A module outside `model` may still hold the patch's copy (the outer model, when patched
+        # through it and unpatched through its base model): make it read as the original.
+        unpatched = copy.deepcopy(vars(rotary.original_config))
+        vars(rotary.config).clear()
+        vars(rotary.config).update(unpatched)
         logger.info("Restored the original rotary embedding at %s.", module_name)
     return model
 
@@ -435,11 +514,11 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 def get_patch_info(model: nn.Module) -> PatchSpec | None:
     """How ``model`` is patched (a :class:`hf_rope_ext.spec.PatchSpec`, with ``module_name`` set),
     or None if it is not."""
-    patched_modules = _patched_modules(model)
+    patched_modules = _patched_modules(model, "get_patch_info")
     if not patched_modules:
         return None
     module_name, rotary = patched_modules[0]
-    return dataclasses.replace(rotary.spec, module_name=module_name)  # relative to the model asked about
+    return rotary.spec.at_module(module_name)  # relative to the model asked about
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ stay float32/float64 whatever dtype the model is cast to.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from dataclasses import dataclass, field
@@ -114,6 +115,15 @@ def angles_for(position_ids: torch.Tensor, inv_freq: torch.Tensor, exact: torch.
     return rope_angles_float32(position_ids, inv_freq, exact)
 
 
+def attention_dropout_message(label: str, dropout: float) -> str:
+    """Why an attention-level patch refuses to train a model with attention dropout."""
+    return (
+        f"attention-level methods ({label!r}) cannot train with attention dropout, and this model has "
+        f"config.attention_dropout={dropout:g}; load it with attention_dropout=0.0 "
+        "(from_pretrained(..., attention_dropout=0.0)) to train it, or use the model in eval mode."
+    )
+
+
 class ExtendedRotaryEmbedding(nn.Module):
     """Rotary position embedding with frequencies from a registered scaling method.
 
@@ -147,15 +157,18 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.base = base
         self.steps_per_doubling = steps_per_doubling
         self.original_max_seq_len = int(params["original_max_position_embeddings"])
+        # The patched model's own copy of its config, and the object it replaced (set by patch_model).
         self.config = getattr(original, "config", None)
+        self.original_config = self.config
+        # The model's attention dropout: attention-level methods cannot train with it (set by patch_model).
+        self.attention_dropout = 0.0
         self.rope_type = method.name
         self._frequencies: dict[int | None, _Frequencies] = {}
         # Length whose frequencies the next forward uses (at least its own length); set and
         # cleared around each forward by the cache guard.
         self.frequency_length: int | None = None
-        self.cache_guard = None  # set by patch_model for length-dependent methods
+        self.cache_guard = None  # set by patch_model: PrefixRecompute (length-dependent), CacheRecord (static)
         self.spec = None  # the PatchSpec applied (get_patch_info), set by patch_model
-        self.saved_config: dict[str, Any] | None = None  # config fields before the patch, set by patch_model
         self.attention_patch = None  # set by patch_model for attention-level methods and log-n attention
         settle = method.settle_length
         self.settle_length: int | None = int(settle(params)) if settle is not None and method.length_dependent else None
@@ -229,6 +242,11 @@ class ExtendedRotaryEmbedding(nn.Module):
         cached = self._frequencies.get(key)
         if cached is None:
             inv_freq, attention_factor = checked_frequencies(self.method, self.rotary_dim, self.base, self.params, key)
+            if inv_freq.is_meta:
+                raise ValueError(
+                    f"RoPE method {self.method.name!r} returned frequencies on the meta device (no values); compute "
+                    "them on the CPU (outside a torch.device('meta') context)."
+                )
             cached = _Frequencies(inv_freq, attention_factor)
             if len(self._frequencies) >= 64:  # token-exact lengths visit many values; keep the newest
                 self._frequencies.pop(next(iter(self._frequencies)))
@@ -257,6 +275,33 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.original_rotary._apply(fn, recurse)
         return self
 
+    # -- copying and pickling ----------------------------------------------------------------
+
+    def __reduce_ex__(self, protocol):
+        # The cache guard and the attention patch hold hooks, weak references and entries in
+        # transformers' attention registry, which a pickle cannot carry to another process.
+        if self.method.length_dependent or self.attention_patch is not None:
+            label = self.spec.label if self.spec is not None else self.method.name
+            raise TypeError(
+                f"A model patched with {label!r} cannot be pickled (torch.save(model), pickle): its KV-cache and "
+                "attention hooks hold live state. Save it with hf_rope_ext.hub.save_patched (or save_pretrained and "
+                "load_patched), or call unpatch_model first."
+            )
+        return super().__reduce_ex__(protocol)
+
+    # What the copy module does by default, without __reduce_ex__ (which refuses some patches):
+    # copy.deepcopy(model) works with every patch.
+    def __copy__(self) -> ExtendedRotaryEmbedding:
+        copied = type(self).__new__(type(self))
+        copied.__setstate__(self.__getstate__())
+        return copied
+
+    def __deepcopy__(self, memo: dict) -> ExtendedRotaryEmbedding:
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
+
     def _use_original_module(self) -> bool:
         # Not after a cast to fp16/bf16: the original module's frequencies are rounded then,
         # while this module's stay float64/float32.
@@ -264,8 +309,24 @@ class ExtendedRotaryEmbedding(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
 
+    def _check_attention_patch(self) -> None:
+        """Refuse a forward that the attention patch cannot compute as patched, before it runs."""
+        patch = self.attention_patch
+        label = self.spec.label if self.spec is not None else self.method.name
+        implementation = getattr(self.config, "_attn_implementation", None)
+        if implementation != patch.name:
+            raise ValueError(
+                f"config._attn_implementation was changed to {implementation!r} after patching "
+                f"(set_attn_implementation?), which bypasses the attention of the {label!r} patch; call unpatch_model, "
+                "change the attention implementation, then patch_model again."
+            )
+        if self.training and self.attention_dropout:
+            raise ValueError(attention_dropout_message(label, self.attention_dropout))
+
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.attention_patch is not None:
+            self._check_attention_patch()
         if self.method.length_dependent:
             # One host sync per forward, as in transformers' dynamic types.
             length = int(position_ids.max()) + 1

@@ -13,6 +13,7 @@ what :func:`hf_rope_ext.config_io.verify_record` reads back from a saved config,
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Mapping
@@ -272,6 +273,13 @@ class PatchSpec:
                 )
         return replace(self, rotary_dim=rotary_dim, original_rope_theta=float(rope_theta), kept=dict(kept),
                        module_name=module_name)  # fmt: skip
+
+    def at_module(self, module_name: str) -> PatchSpec:
+        """This spec with ``module_name`` set. Not checked again: the spec was checked when made,
+        and its method may have been unregistered since (the model still runs it)."""
+        located = copy.copy(self)
+        object.__setattr__(located, "module_name", module_name)
+        return located
 
     # -- derived values --------------------------------------------------------------------------
 

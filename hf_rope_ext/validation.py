@@ -10,7 +10,7 @@ __all__ = ["MAX_CONTEXT", "check_context", "check_length", "check_scale", "check
 
 
 def is_real(value: Any) -> bool:
-    """A real number (int, float, numpy/torch scalar), not a bool."""
+    """A real number (int, float, Fraction, numpy scalar), not a bool; tensors are not numbers here."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 

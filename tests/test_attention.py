@@ -458,7 +458,8 @@ def test_two_models_keep_their_own_settings():
     patch_model(second, scale=4, method="self-extend", group_size=8, neighbor_window=4)
     with torch.no_grad():
         assert not torch.allclose(first(ids).logits, second(ids).logits)
-        expected = reference_logits(first, ids, lambda i, j: self_extend_positions(i, j, 8, 4))
+        unpatched = make_model("llama", attn_implementation="sdpa")  # the same weights
+        expected = reference_logits(unpatched, ids, lambda i, j: self_extend_positions(i, j, 8, 4))
         torch.testing.assert_close(second(ids).logits, expected, atol=2e-5, rtol=1e-4)
 
 
@@ -1272,6 +1273,60 @@ def test_decode_step_benchmark_times_real_steps_and_restores_the_model(monkeypat
     results = module.decode_step_benchmark(model, ids, ["self-extend", "dual-chunk"], 4.0, repeats=2)
     assert set(results) == {"none", "self-extend", "dual-chunk"}
     assert all(row["min_s"] > 0 and row["ratio"] > 0 for row in results.values())
-    # warm-up, then 2 rounds of 2 patched methods, one call per decoder layer each, one query each
-    assert query_lengths == [1] * (2 * 2 * model.config.num_hidden_layers)
+    # 2 rounds of 2 patched methods, each an untimed prefill of its own (a cache filled under another
+    # patch is refused) and the timed step: one call per decoder layer each, the step's with one query
+    layers = model.config.num_hidden_layers
+    assert query_lengths == ([ids.shape[1] - 1] * layers + [1] * layers) * (2 * 2)
     assert get_patch_info(model) is None and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "self-extend-yarn"])
+def test_a_training_step_after_an_inference_mode_forward_over_the_same_positions(method):
+    """An evaluation under torch.inference_mode, then a training step over the same positions: the
+    key rotation tables of the first must not reach the second (inference tensors cannot be saved for
+    backward); its loss and gradients are those of a model that never ran the evaluation."""
+
+    def training_step(model):
+        model.train()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), model.model.layers[0].self_attn.q_proj.weight.grad
+
+    ids = random_ids(2 * L0 - 4)
+    evaluated, fresh = (make_model("llama", attn_implementation="sdpa") for _ in range(2))
+    for model in (evaluated, fresh):
+        patch_model(model, scale=4, method=method)
+    with torch.inference_mode():
+        evaluated(ids)
+    for got, expected in zip(training_step(evaluated), training_step(fresh)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "self-extend-yarn"])
+@pytest.mark.parametrize("operation, argument", [
+    ("reorder_cache", torch.tensor([2, 0, 1])), ("reorder_cache", torch.tensor([1, 1, 0])),
+    ("batch_select_indices", torch.tensor([2, 0])),
+])  # fmt: skip
+def test_continuing_a_cache_after_its_rows_moved_matches_full_forward(method, operation, argument):
+    """Rows of a left-padded batch end at different positions; after the cache's rows move (beam
+    search's reorder_cache, batch_select_indices), each row's continuation follows its own cached
+    tokens: it is computed, equal to a full forward without a cache, not refused as a jump."""
+    from transformers import DynamicCache
+
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method=method)
+    ids = random_ids(40, batch=3, seed=8)
+    mask = torch.ones(3, 40, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[1, :2] = 0
+    rows = argument.tolist()
+    full_mask = torch.cat([mask[rows], torch.ones(len(rows), 1, dtype=torch.long)], 1)
+    sequence = torch.cat([ids[rows], random_ids(1, batch=len(rows), seed=9)], 1)
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), planned_length(model, 41):
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache)
+        getattr(cache, operation)(argument)
+        step = model(sequence[:, 40:], attention_mask=full_mask, position_ids=positions[:, 40:], past_key_values=cache).logits
+        full = model(sequence, attention_mask=full_mask, position_ids=positions, use_cache=False).logits[:, 40:]
+    torch.testing.assert_close(step, full, atol=5e-5, rtol=1e-4)

@@ -347,7 +347,7 @@ def test_manual_cache_loop_and_foreign_cache():
             reference = model(ids[:, :end]).logits[:, start:end]
             torch.testing.assert_close(chunk, reference, rtol=0, atol=TOLERANCE)
         torch.testing.assert_close(chunk, patched_full[:, 46:], rtol=0, atol=TOLERANCE)
-        with pytest.raises(RuntimeError, match="fresh cache"):
+        with pytest.raises(ValueError, match="fresh cache"):
             model(ids[:, L0 + 5 : L0 + 6], past_key_values=stale, use_cache=True)
     unpatch_model(model)
 
@@ -809,5 +809,88 @@ def test_a_cache_filled_under_a_length_dependent_patch_can_be_saved_with_torch_s
     keys = loaded.layers[0].keys.clone()
     loaded.reorder_cache(torch.tensor([1, 0]))
     assert torch.equal(loaded.layers[0].keys, keys[[1, 0]])
-    with pytest.raises(RuntimeError, match="not written under the current 'dynamic-yarn' patch"):
+    with pytest.raises(ValueError, match="not written under this model's current 'dynamic-yarn' patch"):
         model(out.sequences[:, -1:], past_key_values=loaded)
+
+
+@pytest.mark.parametrize("where", ["passed to generate", "the model's own"])
+@pytest.mark.parametrize("method", ["dynamic", "self-extend-yarn"])
+def test_a_max_length_in_a_generation_config_is_planned_as_the_keyword(method, where):
+    """``max_length`` in a GenerationConfig (passed, or the model's from generation_config.json) is the
+    same request as ``max_length=`` in the call: transformers generates as many tokens, and the patch
+    plans the cache for them: no recomputation, and every step's logits those of one full forward with
+    the frequencies of the planned length."""
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method=method)
+    prompt = random_ids(L0 - 4 if method == "dynamic" else 2 * L0 - 14)
+    total = prompt.shape[1] + 40
+    lengths = dict(max_length=total, min_length=total)
+    options = dict(do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    if where == "passed to generate":
+        from transformers import GenerationConfig
+
+        out = model.generate(prompt, generation_config=GenerationConfig(**lengths, **options))
+    else:
+        for name, value in lengths.items():
+            setattr(model.generation_config, name, value)
+        out = model.generate(prompt, **options)
+    assert out.sequences.shape[1] == total
+    assert recomputations(model) == 0
+    steps = torch.stack(out.logits, dim=1)
+    with torch.no_grad():
+        full = _full(model, out.sequences[:, :-1], prompt.shape[1] - 1, plan=total)
+    torch.testing.assert_close(steps, full, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("first", [None, "dynamic"], ids=["unpatched", "dynamic"])
+@pytest.mark.parametrize("second", [
+    "yarn", "linear",
+    "self-extend", "dual-chunk", "self-extend-yarn", "dynamic-yarn",
+])  # fmt: skip
+def test_a_cache_filled_without_the_current_patch_is_refused(first, second):
+    """A cache's states carry the rotations of the patch they were written under: one filled before
+    patching or under another patch is refused by every patch (ValueError naming the fix), before
+    anything is written to it; a fresh cache under the new patch equals the full forward."""
+    model = make_model("llama", attn_implementation="sdpa")
+    if first:
+        patch_model(model, scale=4, method=first)
+    prompt = random_ids(L0 + 8)
+    stale = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                           return_dict_in_generate=True).past_key_values  # fmt: skip
+    held = stale.get_seq_length()
+    patch_model(model, scale=4, method=second)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"not written under this model's current .*fresh cache"):
+        model(random_ids(1), past_key_values=stale)
+    assert stale.get_seq_length() == held
+    with torch.no_grad():
+        fresh = _continue(model, DynamicCache(config=model.config), prompt, 0)
+        torch.testing.assert_close(fresh, _full(model, prompt, 0), rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("method", ["yarn", "self-extend", "dual-chunk", "self-extend-yarn"])
+def test_caches_filled_under_the_current_patch_continue_after_copy_crop_and_beam_search(method):
+    """The record of which patch filled a cache follows it: generate's own cache continued by a second
+    generate, a deep copy of it (transformers' recipe to reuse a prompt), a cropped one, beam search
+    (rows reordered) and generate's static cache (reset and reused) all continue, equal to full forwards."""
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method=method)
+    prompt = random_ids(L0 + 4)
+    options = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    first = model.generate(prompt, max_new_tokens=6, return_dict_in_generate=True, **options)
+    copied = copy.deepcopy(first.past_key_values)
+    cropped = copy.deepcopy(first.past_key_values)
+    cropped.crop(L0 - cropped.get_seq_length())  # keep the first L0 tokens
+    with torch.no_grad():
+        for cache, start in [(first.past_key_values, first.sequences.shape[1] - 1), (copied, first.sequences.shape[1] - 1),
+                             (cropped, L0)]:  # fmt: skip
+            step = _continue(model, cache, first.sequences, start)
+            torch.testing.assert_close(step, _full(model, first.sequences, start), rtol=0, atol=TOLERANCE)
+    for _ in range(2):  # generate keeps its static cache and resets it for the next call
+        assert generation_vs_full_forward(model, prompt, new_tokens=5, cache_implementation="static") < TOLERANCE
+    beams = model.generate(prompt, max_new_tokens=5, num_beams=3, output_scores=True, return_dict_in_generate=True,
+                           length_penalty=0.0, **options)  # fmt: skip
+    best = beams.sequences[0]
+    with torch.no_grad(), planned_length(model, best.shape[0]):
+        logits = model(best[None, :-1]).logits[0, prompt.shape[1] - 1 :]
+    total = torch.log_softmax(logits.float(), -1).gather(-1, best[prompt.shape[1] :, None]).sum()
+    assert total.item() == pytest.approx(beams.sequences_scores[0].item(), abs=1e-4)

@@ -274,3 +274,62 @@ def test_bad_parameter_values():
 def test_unknown_method_lists_valid_ones():
     with pytest.raises(ValueError, match=r"Unknown RoPE method 'yarm'.*Did you mean 'yarn'.*Valid methods: linear, ntk"):
         get_method("yarm")
+
+
+# -- values a patch record (config.json) can hold -------------------------------------------------
+
+
+def _own_frequencies(rotary_dim, base, params, seq_len=None):
+    return default_inv_freq(rotary_dim, base) / params["factor"], 1.0
+
+
+def test_parameter_values_and_defaults_that_are_not_json_are_refused():
+    import json
+
+    import hf_rope_ext
+
+    for default in ({1, 2}, object(), b"x"):
+        with pytest.raises(TypeError, match=r"defaults\['k'\] must be a JSON value"):
+            hf_rope_ext.register_method("not-json", _own_frequencies, defaults={"k": default})
+    assert "not-json" not in list_methods()
+    hf_rope_ext.register_method("tagged", _own_frequencies, defaults={"tag": None, "weights": None})
+    try:
+        model = make_model("llama")
+        with pytest.raises(TypeError, match=r"Parameter 'tag' of method 'tagged' must be a JSON value.*got set"):
+            patch_model(model, 4, method="tagged", tag={"a"})
+        assert not hasattr(model.config, "hf_rope_ext")
+        # numpy and torch values become plain JSON, also inside lists and dicts
+        import numpy as np
+
+        patch_model(model, 4, method="tagged", tag={"n": np.int64(3)}, weights=(torch.tensor(0.5), np.float32(2)))
+        record = json.loads(model.config.to_json_string())["hf_rope_ext"]
+        assert record["params"] == {"tag": {"n": 3}, "weights": [0.5, 2.0]}
+    finally:
+        hf_rope_ext.unregister_method("tagged")
+
+
+def test_an_attention_factor_that_float32_rounds_to_zero_or_subnormal_is_refused():
+    import hf_rope_ext
+
+    tiny = torch.finfo(torch.float32).tiny
+    for value in (5e-324, 1e-40, tiny / 2):
+        with pytest.raises(ValueError, match="attention_factor must be a finite number > 0 .*smallest normal"):
+            patch_model(make_model("llama"), 4, method="yarn", attention_factor=value)
+    model = patch_model(make_model("llama"), 4, method="yarn", attention_factor=tiny)  # the smallest normal
+    cos, _ = model.model.rotary_emb(torch.zeros(1), torch.arange(4)[None])
+    assert (cos[0, 0] > 0).all()  # position 0: cos = factor
+
+    hf_rope_ext.register_method("vanishing", lambda d, b, p, s=None: (default_inv_freq(d, b) / p["factor"], 1e-45))
+    try:
+        with pytest.raises(ValueError, match=r"'vanishing' .*returned attention factor 1e-45.*smallest normal"):
+            patch_model(make_model("llama"), 4, method="vanishing")
+    finally:
+        hf_rope_ext.unregister_method("vanishing")
+
+
+def test_negative_zero_is_recorded_as_zero():
+    import json
+
+    model = patch_model(make_model("llama"), 4, method="dual-chunk", local_window=-0.0)
+    saved = json.loads(model.config.to_json_string())["hf_rope_ext"]["params"]["local_window"]
+    assert saved == 0 and math.copysign(1.0, saved) == 1.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -623,3 +624,215 @@ def test_patched_does_not_hide_the_blocks_own_error_when_the_block_unpatched():
             unpatch_model(model)
             raise KeyError("the block's own")
     assert get_patch_info(model) == info  # the patch from before the block is back
+
+
+# -- the model instance, and only it ----------------------------------------------------------------
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_the_rotary_module_itself_is_refused_and_the_model_left_as_it_was():
+    ids = random_ids(80)
+    model = make_model("llama")
+    unpatched = _logits(model, ids)
+    with pytest.raises(ValueError, match=r"not its rotary embedding module \(LlamaRotaryEmbedding\)"):
+        patch_model(model.model.rotary_emb, 4, method="yarn")
+    assert get_patch_info(model) is None and "hf_rope_ext" not in model.config.to_dict()
+    assert "" not in model.model.rotary_emb._modules
+    model.state_dict()  # no cycle in the module tree
+    assert torch.equal(_logits(model, ids), unpatched)
+
+    patch_model(model, 4)
+    patched_logits = _logits(model, ids)
+    rotary = model.model.rotary_emb
+    with pytest.raises(ValueError, match="not its rotary embedding module"):
+        unpatch_model(rotary)
+    for method in ("yarn", "self-extend-yarn"):
+        with pytest.raises(ValueError, match="not its rotary embedding module"):
+            patch_model(rotary, 2, method=method)
+    with pytest.raises(ValueError, match="not its rotary embedding module"):
+        get_patch_info(rotary)
+    assert get_patch_info(model).scale == 4.0 and model.config.hf_rope_ext["scale"] == 4.0
+    assert torch.equal(_logits(model, ids), patched_logits)
+    unpatch_model(model)
+    assert torch.equal(_logits(model, ids), unpatched)
+
+
+def _shared_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**TINY_SHAPE, rope_theta=10000.0)
+
+
+@pytest.mark.parametrize("method", ["self-extend-yarn", "yarn"])
+def test_models_sharing_one_config_object_are_patched_independently(method):
+    from transformers import LlamaForCausalLM
+
+    ids = random_ids(80)
+    config = _shared_config()
+    torch.manual_seed(0)
+    a = LlamaForCausalLM(config).eval()
+    torch.manual_seed(1)
+    b = LlamaForCausalLM(config).eval()
+    assert a.config is b.config  # transformers keeps the object it is given
+    before = config.to_dict()
+    b_unpatched = _logits(b, ids)
+    # The reference: b's weights in a model with a config of its own, patched.
+    twin = LlamaForCausalLM(_shared_config()).eval()
+    twin.load_state_dict(b.state_dict())
+    patch_model(twin, 4, method=method)
+    twin_patched = _logits(twin, ids)
+
+    patch_model(a, 4, method=method)
+    assert config.to_dict() == before and b.config is config
+    assert torch.equal(_logits(b, ids), b_unpatched)
+    patch_model(b, 4, method=method)  # not mistaken for a model loaded from a patched checkpoint
+    assert torch.equal(_logits(b, ids), twin_patched)
+    unpatch_model(a)
+    unpatch_model(b)
+    assert a.config is config and b.config is config and config.to_dict() == before
+    assert all(module.config is config for module in b.modules() if "config" in vars(module))
+    assert torch.equal(_logits(b, ids), b_unpatched)
+
+
+def test_set_attn_implementation_after_patching_is_refused_at_the_next_forward():
+    ids = random_ids(80)
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, 4)  # attention-level default
+    patched_logits = _logits(model, ids)
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match=r"config._attn_implementation was changed to 'eager' after patching"):
+        model(ids)
+    model.set_attn_implementation(model.model.rotary_emb.attention_patch.name)  # the patch's own again
+    assert torch.equal(_logits(model, ids), patched_logits)
+    # The way the message gives: unpatch, change, patch again.
+    reference = make_model("llama", attn_implementation="eager")
+    patch_model(reference, 4)
+    unpatch_model(model)
+    model.set_attn_implementation("eager")
+    patch_model(model, 4)
+    assert torch.allclose(_logits(model, ids), _logits(reference, ids), atol=1e-5)
+
+
+def test_a_method_unregistered_while_in_use_keeps_the_model_patched():
+    def half_frequencies(rotary_dim, base, params, seq_len=None):
+        return default_inv_freq(rotary_dim, base) / params["factor"], 1.0
+
+    ids = random_ids(80)
+    hf_rope_ext.register_method("in-use", half_frequencies)
+    try:
+        model = make_model("llama")
+        patch_model(model, 4, method="in-use")
+        patched_logits = _logits(model, ids)
+    finally:
+        hf_rope_ext.unregister_method("in-use")
+    assert get_patch_info(model).method == "in-use"
+    with pytest.raises(ValueError, match=r"patched with method 'in-use', which has been unregistered"):
+        patch_model(model, 2, method="yarn")
+    assert get_patch_info(model).method == "in-use" and torch.equal(_logits(model, ids), patched_logits)
+    unpatch_model(model)
+    assert torch.equal(_logits(model, ids), _logits(make_model("llama"), ids))
+
+
+def test_an_attention_function_that_returns_no_position_remap_is_refused_at_patch_time():
+    def frequencies(rotary_dim, base, params, seq_len=None):
+        return default_inv_freq(rotary_dim, base), 1.0
+
+    hf_rope_ext.register_method("no-remap", frequencies, attention=lambda params: 42)
+    try:
+        model = make_model("llama")
+        with pytest.raises(ValueError, match=r"method 'no-remap': attention must return .*PositionRemap, got int"):
+            patch_model(model, 4, method="no-remap")
+    finally:
+        hf_rope_ext.unregister_method("no-remap")
+    assert get_patch_info(model) is None and model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("method", ["linear", "yarn", "llama3"])
+def test_a_static_patch_pickles_and_unpatches_after_loading(method):
+    import io
+
+    ids = random_ids(80)
+    model = make_model("llama")
+    patch_model(model, 4, method=method)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert get_patch_info(loaded) == get_patch_info(model)
+    assert torch.equal(_logits(loaded, ids), _logits(model, ids))
+    unpatch_model(loaded)
+    assert torch.equal(_logits(loaded, ids), _logits(make_model("llama"), ids))
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "self-extend-yarn", "dynamic", "yarn+logn"])
+def test_pickling_a_patch_with_hooks_is_refused_in_one_line(method):
+    import copy
+    import io
+    import pickle
+
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, 4, method=method)
+    for save in (lambda: torch.save(model, io.BytesIO()), lambda: pickle.dumps(model)):
+        refusal = rf"A model patched with '{re.escape(method)}' cannot be pickled.*save_patched"
+        with pytest.raises(TypeError, match=refusal):
+            save()
+    ids = random_ids(80)
+    assert torch.equal(_logits(copy.deepcopy(model), ids), _logits(model, ids))  # copies still work
+
+
+def test_unpatch_is_complete_even_after_the_config_was_edited():
+    ids = random_ids(80)
+    reference = make_model("llama")
+    model = make_model("llama")
+    before = model.config.to_dict()
+    patch_model(model, 4)
+    model.config.rope_parameters = None  # a hostile edit of the patched config
+    unpatch_model(model)
+    assert type(model.model.rotary_emb).__name__ == "LlamaRotaryEmbedding"
+    assert model.config.to_dict() == before and model.config._attn_implementation == "eager"
+    assert not model.model._forward_hooks and not model.model._forward_pre_hooks
+    assert torch.equal(_logits(model, ids), _logits(reference, ids))
+
+
+def test_a_model_on_the_meta_device_is_refused_in_one_line():
+    from conftest import make_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(make_config("llama"))
+    with pytest.raises(ValueError, match="the model is on the meta device"):
+        patch_model(model, 4, method="yarn")
+
+    def meta_frequencies(rotary_dim, base, params, seq_len=None):
+        return default_inv_freq(rotary_dim, base).to("meta") / params["factor"], 1.0
+
+    hf_rope_ext.register_method("on-meta", meta_frequencies)
+    try:
+        model = make_model("llama")
+        with pytest.raises(ValueError, match="'on-meta' returned frequencies on the meta device"):
+            patch_model(model, 4, method="on-meta")
+    finally:
+        hf_rope_ext.unregister_method("on-meta")
+    assert get_patch_info(model) is None
+
+
+def test_attention_dropout_with_an_attention_level_method_is_refused_before_training():
+    ids = random_ids(60)
+    model = make_model("llama", attn_implementation="sdpa", attention_dropout=0.1)
+    patch_model(model, 4)  # eval mode: inference is deterministic and works
+    reference = make_model("llama", attn_implementation="sdpa")
+    patch_model(reference, 4)
+    assert torch.equal(_logits(model, ids), _logits(reference, ids))
+    model.train()
+    short = ids[:, :20]  # inside L0: before, only the first batch beyond it failed
+    with pytest.raises(ValueError, match=r"cannot train with attention dropout.*config.attention_dropout=0.1"):
+        model(short, labels=short)
+    with pytest.raises(ValueError, match=r"'dual-chunk'.*config.attention_dropout=0.1"):
+        patch_model(model, 4, method="dual-chunk")  # in training mode: refused at once
+    assert get_patch_info(model).method == "self-extend-yarn"  # the previous patch is kept
+    static = make_model("llama", attn_implementation="sdpa", attention_dropout=0.1).train()
+    patch_model(static, 4, method="yarn")  # frequency methods apply dropout as transformers does
+    static(ids, labels=ids).loss.backward()
