@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -25,6 +26,9 @@ logger = logging.getLogger(__name__)
 # they are written, and the entries they replace during the swap.
 INNER_STAGING_PREFIX = ".hf_rope_ext.staging-"
 INNER_ASIDE_PREFIX = ".hf_rope_ext.old-"
+# In the aside folder: the names a swap moves out and in, so that a swap killed half way is undone
+# by the next run (the aside folder may hold the only copy of the previous output).
+SWAP_JOURNAL = ".hf_rope_ext.swap.json"
 # A temporary folder that no running process holds (see _locked) is abandoned; one untouched for
 # this long is taken as abandoned where locks are not available.
 STALE_STAGING_SECONDS = 30 * 60
@@ -144,18 +148,44 @@ def remove_abandoned(target: str | os.PathLike, *, old_copies: bool = False) -> 
     ``.NAME.old-*`` beside it, where an older version swapped folders; without ``target`` that
     may be the only copy of the previous output). Folders other runs are writing are kept."""
     target = Path(target)
-    patterns = [(target.parent, hidden_prefix(target.parent, target.name, ".staging-") + "*")]
+    # glob.escape: a name such as "ckpt[1]" must not match another target's folders
+    patterns = [(target.parent, glob.escape(hidden_prefix(target.parent, target.name, ".staging-")) + "*")]
     if old_copies:
-        patterns.append((target.parent, f".{target.name}.old-*"))
+        patterns.append((target.parent, glob.escape(f".{target.name}.old-") + "*"))
     if target.is_dir() and not target.is_symlink():
-        patterns += [(target, INNER_STAGING_PREFIX + "*"), (target, INNER_ASIDE_PREFIX + "*")]
+        # the swaps first: undoing one needs only its aside folder
+        patterns += [(target, glob.escape(INNER_ASIDE_PREFIX) + "*"), (target, glob.escape(INNER_STAGING_PREFIX) + "*")]
     for folder, pattern in patterns:
         if not folder.is_dir():
             continue
         for leftover in folder.glob(pattern):
             if leftover.is_dir() and not leftover.is_symlink() and _abandoned(leftover):
+                if leftover.parent == target and leftover.name.startswith(INNER_ASIDE_PREFIX):
+                    _undo_swap(target, leftover)
                 logger.info("Removing %s, left by an interrupted save.", leftover)
                 shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _undo_swap(target: Path, aside: Path) -> None:
+    """Put ``target`` back as it was before a :func:`_swap_in` that was killed half way: remove the
+    new entries it had placed and move the old ones back from ``aside``, as its journal lists them."""
+    try:
+        journal = json.loads((aside / SWAP_JOURNAL).read_text())
+        old, new = [str(name) for name in journal["old"]], [str(name) for name in journal["new"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # killed before the journal was written, so before anything was moved
+    moved_out = {name for name in old if os.path.lexists(aside / name)}
+    for name in new:
+        placed = target / name
+        # a name of the new output exists in target only once placed, unless its old entry is still there
+        if os.path.lexists(placed) and (name not in old or name in moved_out):
+            if placed.is_dir() and not placed.is_symlink():
+                shutil.rmtree(placed)
+            else:
+                placed.unlink()
+    for name in sorted(moved_out):
+        os.replace(aside / name, target / name)
+    logger.warning("%s: a save was interrupted while it replaced the folder's files; the previous files are back.", target)
 
 
 @contextlib.contextmanager
@@ -192,7 +222,7 @@ def atomic_write_json(path: str | os.PathLike, data: Any) -> None:
 
 
 def _is_temporary(name: str) -> bool:
-    return name.startswith((INNER_STAGING_PREFIX, INNER_ASIDE_PREFIX))
+    return name.startswith((INNER_STAGING_PREFIX, INNER_ASIDE_PREFIX)) or name == SWAP_JOURNAL
 
 
 def _swap_in(target: Path, staging: Path, keep: Callable[[str], bool] | None) -> None:
@@ -211,6 +241,11 @@ def _swap_in(target: Path, staging: Path, keep: Callable[[str], bool] | None) ->
     moved, placed = [], []
     with _locked(aside):
         try:
+            # the journal first: a run killed during the renames is undone by the next one (_undo_swap)
+            with open(aside / SWAP_JOURNAL, "w", encoding="utf-8") as journal:
+                json.dump({"old": old, "new": new}, journal)
+                journal.flush()
+                os.fsync(journal.fileno())
             for name in old:
                 os.replace(target / name, aside / name)
                 moved.append(name)

@@ -157,6 +157,62 @@ def test_leftovers_of_killed_runs_are_removed_and_running_ones_kept(tmp_path):
     assert sorted(os.listdir(existing)) == ["config.json", "model.safetensors"]
 
 
+@pytest.mark.parametrize("killed_at", range(1, 7))
+def test_a_swap_killed_half_way_is_undone_by_the_next_run(tmp_path, monkeypatch, killed_at):
+    """A run killed (SIGKILL) between the renames of an existing folder's swap leaves the old
+    entries in a hidden folder inside it, possibly the only copy: the next run puts them back,
+    so that run failing too leaves the previous output, and succeeding leaves its own."""
+    from hf_rope_ext import files
+
+    target = tmp_path / "out"
+    target.mkdir()
+    before = {"a.bin": "old a", "b.bin": "old b", "config.json": "old config", "README.md": "mine"}
+    for name, text in before.items():
+        (target / name).write_text(text)
+    keep_readme = lambda name: name == "README.md"  # noqa: E731
+    pid = os.fork()
+    if pid == 0:  # the child: killed at its killed_at-th rename (3 moves aside, then 3 into place)
+        try:
+            calls, real_replace = [], os.replace
+
+            def killed(source, destination):
+                calls.append(source)
+                if len(calls) == killed_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real_replace(source, destination)
+
+            os.replace = killed
+            with atomic_directory(target, keep_existing=keep_readme) as staging:
+                for name in ("a.bin", "c.bin", "config.json"):
+                    (staging / name).write_text("new")
+        finally:
+            os._exit(1)
+    assert os.waitpid(pid, 0)[1] == signal.SIGKILL
+    monkeypatch.setattr(files, "_LOCK_GRACE_SECONDS", 0.0)  # the folders were made just now
+    with pytest.raises(RuntimeError, match="half way"):
+        with atomic_directory(target, keep_existing=keep_readme) as staging:
+            (staging / "a.bin").write_text("newer")
+            raise RuntimeError("failed half way")
+    assert {path.name: path.read_text() for path in target.iterdir()} == before
+    with atomic_directory(target, keep_existing=keep_readme) as staging:
+        (staging / "a.bin").write_text("newest")
+    assert {path.name: path.read_text() for path in target.iterdir()} == {"a.bin": "newest", "README.md": "mine"}
+
+
+def test_leftovers_of_another_target_whose_name_globs_alike_are_kept(tmp_path, monkeypatch):
+    """``ckpt[1]`` is not a pattern for ``ckpt1``: each target removes only its own leftovers."""
+    from hf_rope_ext import files
+
+    monkeypatch.setattr(files, "_LOCK_GRACE_SECONDS", 0.0)
+    other = tmp_path / ".ckpt1.staging-abandoned"
+    mine = tmp_path / ".ckpt[1].staging-abandoned"
+    other.mkdir()
+    mine.mkdir()
+    with atomic_directory(tmp_path / "ckpt[1]") as staging:
+        (staging / "config.json").write_text("{}")
+    assert other.is_dir() and not mine.exists()
+
+
 @pytest.mark.parametrize("length", [240, 255])
 def test_names_up_to_the_file_system_limit_can_be_written(tmp_path, length):
     name = "b" * (length - 2) + "é"  # 2 bytes: a cut must not split it
