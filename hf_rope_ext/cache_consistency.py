@@ -282,6 +282,8 @@ class CacheRecord:
 
     def __init__(self, caller: nn.Module, method: str):
         self.filled = FilledCaches(method)
+        # Compiled forwards ran under this patch: a cache without a record may be one they filled.
+        self.compiled_writes = False
         self.handles = [
             caller.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             caller.register_forward_hook(self._after_forward, with_kwargs=True),
@@ -303,11 +305,17 @@ class CacheRecord:
         return name, (cache if compat.is_cache(cache) else None)
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():  # static patches compile with fullgraph=True: no record there,
+            self.compiled_writes = True  # only this flag (an attribute set is replayed by the compiled code)
+            return
         name, cache = self._cache(module, args, kwargs)
-        if cache is not None:
-            self.filled.check(cache, name)
+        if cache is not None and not (self.compiled_writes and self.filled.get(cache) is None):
+            # grown_ok: compiled forwards of this patch may have written more than was recorded
+            self.filled.check(cache, name, grown_ok=True)
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         _, cache = self._cache(module, args, kwargs)
         cache = cache if cache is not None else compat.output_cache(output)  # one the model made
         if compat.is_cache(cache):

@@ -49,6 +49,27 @@ def test_torch_compile_fullgraph_static_methods(method):
         torch.testing.assert_close(compiled(ids).logits, expected, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("method", ["linear", "yarn", "llama3"])
+def test_torch_compile_fullgraph_decode_loop_with_a_static_cache(method):
+    """A compiled (fullgraph) prefill and decode steps over a StaticCache equal one eager forward,
+    and an eager step may continue the cache the compiled ones filled (they skip the cache record)."""
+    from transformers import StaticCache
+
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method=method)
+    ids = random_ids(3 * L0)
+    prompt = 2 * L0
+    with torch.no_grad():
+        expected = model(ids).logits
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        cache = StaticCache(config=model.config, max_cache_len=3 * L0)
+        steps = [compiled(ids[:, :prompt], past_key_values=cache).logits]
+        for position in range(prompt, 3 * L0 - 1):
+            steps.append(compiled(ids[:, position : position + 1], past_key_values=cache).logits)
+        steps.append(model(ids[:, -1:], past_key_values=cache).logits)  # eager, after compiled steps
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=0, atol=5e-5)
+
+
 def test_accelerate_device_map_with_disk_offload(tmp_path):
     reference = make_model("llama")
     reference.save_pretrained(tmp_path / "model")
