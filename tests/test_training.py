@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -594,6 +595,9 @@ def test_bad_input_is_refused_before_training(tiny_model, varied_text, tmp_path,
         (dict(lora_dropout="0.1"), "dropout"),
         (dict(lora_dropout=float("nan")), "dropout"),
         (dict(window="3"), "--window"),
+        # numpy numbers are read as the plain ones: a numpy number that is wrong is still named
+        (dict(method_params={"beta_fast": np.int64(-5)}), "beta_fast > beta_slow"),
+        (dict(save_steps=np.float64(2.5)), "--save-steps must be an integer"),
     ],
 )
 def test_bad_settings_are_refused_before_the_model_loads(tiny_model, varied_text, tmp_path, monkeypatch, overrides, message):
@@ -612,6 +616,17 @@ def test_method_params_may_be_a_dict_from_python(tiny_model, varied_text, tmp_pa
     as_dict = config_for(tiny_model, tmp_path / "b", varied_text, method_params={"beta_fast": 16})
     as_dict.validate()
     assert as_dict.parsed_method_params() == as_json.parsed_method_params() == {"beta_fast": 16}
+
+
+def test_numpy_numbers_from_a_sweep_script_are_taken_as_plain_ones(tiny_model, varied_text, tmp_path):
+    """np.int64 settings and method parameters (a sweep over np.arange) validate, and what is
+    written to JSON holds plain numbers equal to them."""
+    config = config_for(tiny_model, tmp_path / "run", varied_text, save_steps=np.int64(2), warmup_steps=np.int64(1),
+                        learning_rate=np.float32(1e-3), method_params={"beta_fast": np.int64(16)})
+    config.validate()
+    assert type(config.save_steps) is int and config.save_steps == 2 and type(config.warmup_steps) is int
+    assert config.learning_rate == pytest.approx(1e-3) and type(config.learning_rate) is float
+    assert json.loads(json.dumps(config.parsed_method_params())) == {"beta_fast": 16}
 
 
 def test_finished_run_without_checkpoint_is_refused_without_sending_the_user_in_a_circle(tiny_model, varied_text, tmp_path):

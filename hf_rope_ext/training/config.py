@@ -12,9 +12,11 @@ import logging
 import math
 import numbers
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..arguments import (
     ATTENTION_IMPLEMENTATIONS,
@@ -24,7 +26,7 @@ from ..arguments import (
     add_model_argument,
     add_output_dir_argument,
 )
-from ..methods import get_method
+from ..methods import get_method, plain_value
 from ..patching import original_context_length, resolve_scale
 from ..validation import is_finite
 from .lora import LoraSettings
@@ -109,6 +111,12 @@ class FinetuneConfig:
         The optional packages and the GPU are checked by
         :func:`hf_rope_ext.training.environment.check_environment`.
         """
+        # A sweep script's numpy numbers (np.int64(2), np.float32(1e-4)) as the plain Python ones
+        # they stand for: checked as such below, and written to JSON (summary, fingerprint) as such.
+        for name in (setting.name for setting in fields(self)):
+            value = getattr(self, name)
+            if isinstance(value, np.generic) and np.ndim(value) == 0:
+                setattr(self, name, value.item())
         if not self.output_dir:
             raise ValueError("output_dir is required: every output of the run is written under it.")
         for name in ("text_files", "lora_target_modules"):
@@ -172,7 +180,8 @@ class FinetuneConfig:
         if not self.method_params:
             return {}
         if isinstance(self.method_params, dict):
-            return dict(self.method_params)
+            # numpy numbers as plain ones: the parameters are written to JSON (checkpoints, summary)
+            return {key: plain_value(value) for key, value in self.method_params.items()}
         if not isinstance(self.method_params, str):
             raise TypeError(
                 f"method_params must be a JSON object as a string or a dict, got {type(self.method_params).__name__}."

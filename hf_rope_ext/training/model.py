@@ -118,7 +118,7 @@ def check_patch(config: FinetuneConfig, lengths: Lengths, model_config) -> None:
         checked_frequencies(method, spec.rotary_dim, spec.original_rope_theta, resolved, spec.extended_context)
     except (ValueError, TypeError, ArithmeticError) as error:
         kind = TypeError if isinstance(error, TypeError) else ValueError
-        raise kind(f"--method-params {json.dumps(params)}: {error}") from None
+        raise kind(f"--method-params {json.dumps(params, default=repr)}: {error}") from None
 
 
 def build_model(config: FinetuneConfig, model_path: str, lengths: Lengths, device: torch.device, bf16: bool):
