@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 
 from hf_rope_ext import DEFAULT_METHOD
 from hf_rope_ext.cli import one_line
@@ -89,6 +90,10 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     return args
 
 
+def _comparable(value) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def goal_checks(summary: dict, native: int) -> list[str]:
     """Sentences comparing the default method with the others, from the pooled results."""
     rows = {(row["method"], row["scale"], row["context_length"]): row
@@ -96,10 +101,11 @@ def goal_checks(summary: dict, native: int) -> list[str]:
     lines = []
     for scale, length in ((2.0, 2 * native), (4.0, 4 * native)):
         ours = rows.get((DEFAULT_METHOD, scale, length))
-        # None: a record of an earlier version whose bucket spans the native context (no number to compare)
+        # None: a record of an earlier version whose bucket spans the native context; NaN/inf: a broken
+        # forward. Neither is a number to compare (min() would keep a NaN that comes first).
         others = {method: row["beyond_native_ppl"] for (method, s, l), row in rows.items()
-                  if s == scale and l == length and method != DEFAULT_METHOD and row["beyond_native_ppl"] is not None}
-        if ours is None or ours["beyond_native_ppl"] is None or not others:
+                  if s == scale and l == length and method != DEFAULT_METHOD and _comparable(row["beyond_native_ppl"])}
+        if ours is None or not _comparable(ours["beyond_native_ppl"]) or not others:
             continue
         best = min(others, key=others.get)
         if ours["beyond_native_ppl"] == others[best]:

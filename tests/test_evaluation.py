@@ -1805,3 +1805,53 @@ def test_retrieval_accuracy_refuses_values_of_the_wrong_type_in_one_line(overrid
     with pytest.raises(ValueError, match=message):
         retrieval_accuracy(KeyReader(CharTokenizer()), CharTokenizer(), settings.pop("task"), settings.pop("length"),
                            settings.pop("depth"), progress=False, **settings)  # fmt: skip
+
+
+def _bucket_record(method, buckets, **fields):
+    record = dict(kind="perplexity", mode="buckets", model="tiny", dtype="fp32", document="book",
+                  document_sha256="x", model_fingerprint="f", context_length=384, bucket_size=96, native_context=256,
+                  tokens=383, windows=1, method=method, scale=2.0, nll=math.log(50.0), ppl=50.0, buckets=buckets)
+    record.update(fields)
+    return record
+
+
+def test_rows_of_two_bucket_layouts_each_keep_their_cells(tmp_path):
+    """A folder holding records of an earlier version (buckets across the native context) and of
+    this one (split there): each layout gets its own by-position table, no row loses its cells."""
+    old = _bucket_record("yarn", [[0, 96, 40.0], [96, 192, 45.0], [192, 288, 50.0], [288, 384, 60.0]])
+    new = _bucket_record("dynamic-yarn", [[0, 96, 41.0], [96, 192, 46.0], [192, 256, 48.0], [256, 288, 52.0],
+                                          [288, 384, 61.0]], steps_per_doubling=1)
+    (tmp_path / "results.jsonl").write_text(json.dumps(old) + "\n" + json.dumps(new) + "\n")
+    assert cli_main(["eval", "--report-only", "--output-dir", str(tmp_path)]) == 0
+    report = (tmp_path / "results.md").read_text()
+    tables = report.split("### Perplexity by position")[1:]
+    assert len(tables) == 2
+    assert "| 40.00 | 45.00 | 50.00 | 60.00 |" in tables[0] and "yarn x2" in tables[0]
+    assert "| 41.00 | 46.00 | 48.00 |" in tables[1] and "dynamic-yarn" in tables[1]
+
+
+def test_eval_names_a_folder_of_the_compare_scripts(tmp_path, capsys):
+    (tmp_path / "results.jsonl").write_text(json.dumps({"key": "k", "config": "yarn", "scale": 2.0}) + "\n")
+    assert cli_main(["eval", "--report-only", "--output-dir", str(tmp_path)]) == 2
+    assert "compare_configurations.py or compare_retrieval.py" in capsys.readouterr().err
+
+
+def test_nan_perplexity_is_shown_and_never_the_best_in_the_comparison(tmp_path):
+    """comparison_table prints a broken (NaN) forward as nan, and run_results_table's verdict is
+    against the best finite method, whatever the order of the rows."""
+    from hf_rope_ext.evaluation.report import comparison_table
+
+    module = _example_module("run_results_table_nan", "run_results_table.py")
+
+    def row(method, scale, ppl, beyond):
+        return dict(mode="buckets", method=method, scale=scale, steps_per_doubling=None, model="m", dtype="fp32",
+                    context_length=512, stride=None, eval_tokens=None, bucket_size=64, documents=["book"], ppl=ppl,
+                    nll=math.log(ppl) if ppl == ppl else ppl, tokens=511, ranges=None, beyond_native_ppl=beyond)
+
+    nan = float("nan")
+    summary = {"models": ["m"], "native_context": 256, "cases": 5, "retrieval": [],
+               "perplexity": [row("none", None, 20.0, 60.0), row("ntk", 2.0, nan, nan), row("linear", 2.0, 50.0, 30.0),
+                              row("yarn", 2.0, 40.0, 45.0), row(DEFAULT_METHOD, 2.0, 30.0, 35.0)]}  # fmt: skip
+    assert "| ntk | 2 | nan | nan |" in comparison_table(summary)
+    (verdict,) = module.goal_checks(summary, 256)
+    assert "does NOT beat the best other method, linear 30.00" in verdict

@@ -333,6 +333,11 @@ def load_records(path: str | os.PathLike, *, require_kind: bool = False) -> tupl
             raise EvaluationError(
                 f"{path}:{number} holds a JSON {type(record).__name__}, not an object; fix or remove that line."
             )
+        if require_kind and "kind" not in record and "config" in record:  # compare_*.py write {"config": ...}
+            raise EvaluationError(
+                f"{path} holds results of compare_configurations.py or compare_retrieval.py, not of hf-rope-ext "
+                "eval; use another --output-dir (those scripts rewrite their own table.md)."
+            )
         # Other readers (model cards) take hand-written records with fields left out: check what is there.
         if require_kind or record.get("kind") in RECORD_FIELDS:
             try:

@@ -151,19 +151,20 @@ def _perplexity_tables(mode: str, rows: Sequence[Mapping[str, Any]], note: str, 
                 parts.append(f"\n{_SPANS_NATIVE}: a position bucket of these results spans position {native}, so "
                              "the positions beyond it cannot be told apart; evaluate again into a new folder.\n")
         longest = max(lengths)
-        ranges = next((row["ranges"] for row in rows if row["context_length"] == longest and row["ranges"]), None)
-        if ranges:
+        # One table per bucket layout: results written before the buckets were split at the native
+        # context have other edges, and a row must never lose its cells to another's header.
+        layouts: dict[tuple, list] = {}
+        for state in _states_in_order(rows):
+            row = cell.get((state, longest))
+            if row and row["ranges"]:
+                layouts.setdefault(tuple((lo, hi) for lo, hi, _ in row["ranges"]), []).append((state, row))
+        for number, (edges, layout_rows) in enumerate(layouts.items(), 1):
+            layout = f"; bucket layout {number} of {len(layouts)}" if len(layouts) > 1 else ""
             parts.append(f"\n### Perplexity by position, one forward of L={format_tokens(longest)} tokens "
-                         f"(documents: {documents}{note})\n")  # fmt: skip
-            header = ["method"] + [f"{format_tokens(lo)}-{format_tokens(hi)}" for lo, hi, _ in ranges]
-            table = []
-            for state in _states_in_order(rows):
-                row = cell.get((state, longest))
-                if row and row["ranges"]:
-                    values = {(lo, hi): ppl for lo, hi, ppl in row["ranges"]}
-                    cells = [format_ppl(values[(lo, hi)], missing="nan") if (lo, hi) in values else ""
-                             for lo, hi, _ in ranges]
-                    table.append([state_label(*state)] + cells)
+                         f"(documents: {documents}{note}{layout})\n")  # fmt: skip
+            header = ["method"] + [f"{format_tokens(lo)}-{format_tokens(hi)}" for lo, hi in edges]
+            table = [[state_label(*state)] + [format_ppl(ppl, missing="nan") for _, _, ppl in row["ranges"]]
+                     for state, row in layout_rows]  # fmt: skip
             parts.append(_table(header, table))
     parts.append("")
     return parts
@@ -235,9 +236,10 @@ def comparison_table(summary: Mapping[str, Any], *, task: str = "passkey") -> st
     table = []
     for state in _states_in_order(ppl_rows + retrieval_rows):
         cells = [method_label(state[0], state[2]), format_scale(state[1])]
-        cells += [format_ppl(ppl[(state, length)]["ppl"]) if (state, length) in ppl else "" for length in ppl_lengths]
-        cells += [format_ppl(ppl[(state, length)]["beyond_native_ppl"]) if (state, length) in ppl else ""
-                  for length in beyond_lengths]  # fmt: skip
+        # "nan" for a broken forward, "n/a" where old buckets span the native context, "" where not run
+        cells += [format_ppl(ppl[(state, length)]["ppl"], missing="nan") if (state, length) in ppl else ""
+                  for length in ppl_lengths]  # fmt: skip
+        cells += [_beyond_cell(ppl[(state, length)]) if (state, length) in ppl else "" for length in beyond_lengths]
         cells += [f"{found[(state, length)]['correct']}/{found[(state, length)]['trials']}" if (state, length) in found
                   else "" for length in retrieval_lengths]  # fmt: skip
         table.append(cells)
