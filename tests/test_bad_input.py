@@ -608,3 +608,15 @@ def test_check_runtimes_refuses_token_and_bucket_counts_below_one(argv, message,
     with pytest.raises(SystemExit) as exit_info:
         module.main([*argv, "--check-args"])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_commands_are_imported_is_one_line(monkeypatch, capsys):
+    """Building the parser imports every subcommand (seconds): Ctrl-C there is one line, exit 130."""
+    from hf_rope_ext import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["methods"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
