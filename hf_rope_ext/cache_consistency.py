@@ -295,13 +295,15 @@ class CacheRecord:
         self.handles = []
 
     def _cache(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[str | None, Any]:
-        signature = _FORWARD_SIGNATURES.get(type(module))
-        if signature is None:  # kept per class, not here: a static patch pickles with the model
-            signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(module.forward)
-        try:
-            name, cache = compat.cache_argument(compat.call_arguments(signature, args, kwargs))
-        except TypeError:  # the forward itself will say what is wrong with its arguments
-            return None, None
+        name, cache = compat.cache_argument(kwargs)  # as generate passes it: no binding on the decode path
+        if cache is None and len(args) > 1:  # given by position
+            signature = _FORWARD_SIGNATURES.get(type(module))
+            if signature is None:  # kept per class, not here: a static patch pickles with the model
+                signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(module.forward)
+            try:
+                name, cache = compat.cache_argument(compat.call_arguments(signature, args, kwargs))
+            except TypeError:  # the forward itself will say what is wrong with its arguments
+                return None, None
         return name, (cache if compat.is_cache(cache) else None)
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -309,16 +311,18 @@ class CacheRecord:
             self.compiled_writes = True  # only this flag (an attribute set is replayed by the compiled code)
             return
         name, cache = self._cache(module, args, kwargs)
-        if cache is not None and not (self.compiled_writes and self.filled.get(cache) is None):
-            # grown_ok: compiled forwards of this patch may have written more than was recorded
-            self.filled.check(cache, name, grown_ok=True)
+        # A cache this patch wrote to continues with its own frequencies, whatever it holds now (crop,
+        # reset, compiled steps): only a cache new to this patch is counted (one device sync, not one
+        # per decode step), and refused if it is not empty.
+        if cache is not None and cache not in self.filled and not self.compiled_writes:
+            self.filled.check(cache, name)
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
         _, cache = self._cache(module, args, kwargs)
         cache = cache if cache is not None else compat.output_cache(output)  # one the model made
-        if compat.is_cache(cache):
+        if compat.is_cache(cache) and cache not in self.filled:
             self.filled.record(cache, None)
 
 

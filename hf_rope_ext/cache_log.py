@@ -170,19 +170,14 @@ class FilledCaches(CacheLogs):
     def __reduce__(self) -> tuple:
         return FilledCaches, (self.method,)  # nor does a pickled model (static patches pickle)
 
-    def check(self, cache: Any, argument: str | None = None, *, grown_ok: bool = False) -> CacheEnd | None:
+    def check(self, cache: Any, argument: str | None = None) -> CacheEnd | None:
         """Where this patch left ``cache`` (None: the cache is empty); ``ValueError`` if it holds
-        tokens this patch did not write. ``argument``: the name the cache was passed under.
-        ``grown_ok``: a cache this patch filled may hold more tokens than recorded (written by
-        compiled forwards, which skip the record)."""
+        tokens this patch did not write. ``argument``: the name the cache was passed under."""
         held = int(cache.get_seq_length())
         end = self.get(cache)
         if held == 0:  # new, or `reset` (generate reuses its static cache)
             self.discard(cache)
             return None
-        if end is not None and held > end.tokens and grown_ok:
-            end = CacheEnd(held, None)
-            self.set(cache, end)
         if end is None or held > end.tokens:
             raise foreign_cache_error(held, 0 if end is None else end.tokens, self.method, argument)
         if held < end.tokens:  # `crop` removed tokens from the end (assisted decoding)
