@@ -16,8 +16,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..arguments import (
     ATTENTION_IMPLEMENTATIONS,
     add_attn_implementation_argument,
@@ -115,8 +113,8 @@ class FinetuneConfig:
         # they stand for: checked as such below, and written to JSON (summary, fingerprint) as such.
         for name in (setting.name for setting in fields(self)):
             value = getattr(self, name)
-            if isinstance(value, np.generic) and np.ndim(value) == 0:
-                setattr(self, name, value.item())
+            if isinstance(value, numbers.Number) and type(value) not in (bool, int, float):
+                setattr(self, name, plain_value(value))
         if not self.output_dir:
             raise ValueError("output_dir is required: every output of the run is written under it.")
         for name in ("text_files", "lora_target_modules"):
