@@ -336,7 +336,10 @@ def _run(args: argparse.Namespace) -> int:
     report = {"model": resolve_model_path(args.model), "device": str(device), "dtype": str(model.dtype),
               "torch_threads": torch.get_num_threads()}
     if not args.skip_forward:
-        ids = torch.randint(100, len(tokenizer) - 1, (1, args.forward_tokens),
+        # random tokens past the first 100 ids (special tokens sit there), any id of a smaller vocabulary
+        vocabulary = min(len(tokenizer), model.config.vocab_size)
+        first = 100 if vocabulary > 101 else 0
+        ids = torch.randint(first, max(first + 1, vocabulary - 1), (1, args.forward_tokens),
                             generator=torch.Generator().manual_seed(args.seed)).to(device)
         report["forward"] = {"tokens": args.forward_tokens, **forward_benchmark(
             model, ids, args.forward_repeats, args.forward_methods, args.forward_scale)}

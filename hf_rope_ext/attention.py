@@ -44,6 +44,7 @@ import copy
 import inspect
 import logging
 import math
+import os
 import uuid
 import weakref
 from dataclasses import dataclass, field, fields, replace
@@ -77,6 +78,14 @@ QUERY_CHUNK_CUDA = 4096
 MASKED_RUN_BLOCKS = 16
 # Set once a fused CUDA kernel refuses a call (see _partial_attention).
 _FUSED_CUDA_FAILED = False
+# Query chunks of the one-pass two-regime kernel (hf_rope_ext.fused_attention): it holds no
+# score matrix at all, so a chunk is only cut where the regimes change; wide chunks keep the
+# GPU's multiprocessors busy (row blocks x heads programs per launch).
+QUERY_CHUNK_TWO_REGIME = 16384
+# Set once the two-regime kernel fails to compile or run (then the partial-softmax path runs).
+_TWO_REGIME_FAILED = False
+# HF_ROPE_EXT_TWO_REGIME_KERNEL=0 turns the kernel off (the partial-softmax path computes the same).
+TWO_REGIME_SWITCH = "HF_ROPE_EXT_TWO_REGIME_KERNEL"
 
 
 @dataclass(frozen=True)
@@ -508,31 +517,84 @@ def _rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> tor
     return _apply_rotation(x, *_rotation_table(shift, inv_freq))
 
 
+@dataclass(frozen=True)
+class _HostPositions:
+    """The positions of one call, ``(B, N)`` on the device, with what tiling reads of them on the host."""
+
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+    query_host: torch.Tensor
+    key_host: torch.Tensor
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    key_bounds: list[tuple[int, int]]
+    keys_sorted: bool
+    first_row_sorted: bool  # the first row's query positions never decrease
+    consecutive: bool  # p, p + 1, ... in every row alike, queries and keys
+
+    @classmethod
+    def of(cls, query_positions: torch.Tensor, key_positions: torch.Tensor) -> _HostPositions:
+        # Tiles are classified from positions with integer work on the host: on a GPU, reading a
+        # device tensor per tile would wait for the device thousands of times per layer.
+        query_host, key_host = query_positions.detach().cpu().contiguous(), key_positions.detach().cpu().contiguous()
+        return cls(
+            query_positions, key_positions, query_host, key_host,
+            int(query_host.min()), int(query_host.max()), int(key_host.min()), int(key_host.max()),
+            _block_bounds(key_host, KEY_BLOCK), bool((key_host[:, 1:] >= key_host[:, :-1]).all()),
+            bool((query_host[0, 1:] >= query_host[0, :-1]).all()), _consecutive(query_host) and _consecutive(key_host),
+        )
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The in-place modification counter of ``tensor`` (None for inference tensors, which keep none:
+    the memos that use it are also cleared at the start of every forward of a patched model)."""
+    return None if tensor.is_inference() else tensor._version
+
+
 class KeyRotationTables:
-    """The ``(cos, sin)`` tables of each key map for one set of key positions.
+    """The ``(cos, sin)`` tables of each key map for one set of key positions, and the host copy
+    of the positions of the last call.
 
     Every decoder layer of a forward (or decode step) sees the same key positions, so one
     instance per patched model computes each key map's float64 angles once per forward instead
     of once per layer; a call with other key positions starts afresh, and so does a call outside
     ``torch.inference_mode`` after one inside it (inference tensors cannot be saved for backward).
+    Layers that pass the very same position tensors (unmodified) reuse the host copy too: copying
+    them to the host waits for the device, which would otherwise stop at every layer.
     """
 
     def __init__(self):
         self.positions: torch.Tensor | None = None
         self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.verified: torch.Tensor | None = None  # the positions last compared with self.positions
+        self.last_call: tuple | None = None  # (query source, key source, stamp, _HostPositions)
+
+    def positions_of_call(self, query_positions: torch.Tensor, key_positions: torch.Tensor, batch: int) -> _HostPositions:
+        """``(B, N)`` views of the call's positions and their host facts, computed once for the same tensors."""
+        stamp = (_version(query_positions), _version(key_positions), batch, torch.is_inference_mode_enabled())
+        last = self.last_call
+        if last is not None and last[0] is query_positions and last[1] is key_positions and last[2] == stamp:
+            return last[3]
+        facts = _HostPositions.of(query_positions.expand(batch, -1), key_positions.expand(batch, -1))
+        self.last_call = (query_positions, key_positions, stamp, facts)
+        return facts
 
     def get(self, regime: Regime, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        known = self.positions
-        stale = known is None or (known.is_inference() and not torch.is_inference_mode_enabled())
-        if stale or known.shape != positions.shape or known.device != positions.device or not torch.equal(known, positions):
-            self.positions, self.tables = positions.clone(), {}
+        if positions is not self.verified:  # the same tensor as the last check: nothing to compare
+            known = self.positions
+            stale = known is None or (known.is_inference() and not torch.is_inference_mode_enabled())
+            if stale or known.shape != positions.shape or known.device != positions.device or not torch.equal(known, positions):
+                self.positions, self.tables = positions.clone(), {}
+            self.verified = positions
         name = regime.key_map_name
         if name not in self.tables:
             self.tables[name] = _rotation_table(_shift(regime.key_position, positions), inv_freq)
         return self.tables[name]
 
     def clear(self) -> None:
-        self.positions, self.tables = None, {}
+        self.positions, self.tables, self.verified, self.last_call = None, {}, None, None
 
 
 def _shift(position_map: Callable[[torch.Tensor], torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
@@ -741,21 +803,16 @@ def remapped_attention(
     batch, heads, query_len, _ = query.shape
     if heads % key.shape[1]:
         raise ValueError(f"{heads} query heads cannot share {key.shape[1]} key heads evenly.")
-    query_positions = query_positions.expand(batch, -1)
-    key_positions = key_positions.expand(batch, -1)
+    tables = key_rotations if key_rotations is not None else KeyRotationTables()
+    facts = tables.positions_of_call(query_positions, key_positions, batch)
+    query_positions, key_positions = facts.query_positions, facts.key_positions
+    query_host, key_host, key_bounds, keys_sorted = facts.query_host, facts.key_host, facts.key_bounds, facts.keys_sorted
+    q_lo, q_hi, k_lo, k_hi = facts.q_lo, facts.q_hi, facts.k_lo, facts.k_hi
     inv_freq = inv_freq.to(query.device)
-    # Tiles are classified from positions with integer work on the host: on a GPU, reading a
-    # device tensor per tile would wait for the device thousands of times per layer.
-    query_host, key_host = query_positions.detach().cpu().contiguous(), key_positions.detach().cpu().contiguous()
-    q_lo, q_hi = int(query_host.min()), int(query_host.max())
-    k_lo, k_hi = int(key_host.min()), int(key_host.max())
-    key_bounds = _block_bounds(key_host, KEY_BLOCK)
-    keys_sorted = bool((key_host[:, 1:] >= key_host[:, :-1]).all())
     regimes = _call_regimes(remap, q_hi, k_lo, inv_freq, max_distance)
     # Only the regimes some pair of this call can use: a decode step beyond L0 needs its own
     # group's keys, not every group's (each would re-rotate the whole cache).
     regimes = [r for r in regimes if r.classify is None or r.classify(q_lo, q_hi, k_lo, k_hi) != SKIP]
-    tables = key_rotations if key_rotations is not None else KeyRotationTables()
     by_map: dict[str, torch.Tensor] = {}  # regimes sharing a key map share its rotated keys (dual chunk's three)
     rotated_keys = []
     for regime in regimes:
@@ -767,12 +824,15 @@ def remapped_attention(
         rotated_keys.append(by_map[regime.key_map_name])
     # Consecutive positions, the same in every row (no gaps, no padding): a regime that is a band
     # of distances needs no mask there (see _add_band).
-    consecutive = _consecutive(query_host) and _consecutive(key_host)
+    consecutive = facts.consecutive
+    two_regime = consecutive and _two_regime_kernel_applies(query, key, value) and allowed(0, min(1, query_len)) is None
     default_chunk = QUERY_CHUNK_CUDA if query.device.type == "cuda" else QUERY_CHUNK
+    if two_regime:
+        default_chunk = QUERY_CHUNK_TWO_REGIME
     chunk = max(1, min(query_len, query_chunk or default_chunk))
     starts = list(range(0, query_len, chunk))
     row = query_host[0]
-    if remap is not None and query_len > 1 and bool((row[1:] >= row[:-1]).all()):
+    if remap is not None and query_len > 1 and facts.first_row_sorted:
         breaks = remap.query_breaks(q_lo, q_hi)
         cuts = torch.searchsorted(row, torch.tensor(breaks, dtype=row.dtype)).tolist() if breaks else []
         starts = sorted(set(starts).union(cut for cut in cuts if 0 < cut < query_len))
@@ -789,6 +849,12 @@ def remapped_attention(
             last_key = int(torch.searchsorted(key_host, torch.full((batch, 1), chunk_hi), right=True).max())
         else:
             last_key = int((key_host <= chunk_hi).sum(dim=-1).max())
+        if two_regime and base is None:
+            output = _two_regime_chunk(q, pq, regimes, rotated_keys, value, chunk_lo, chunk_hi, k_lo, k_hi, inv_freq,
+                                       scaling)
+            if output is not None:
+                outputs.append(output)
+                continue
         tiles = _Tiles(chunk_lo, chunk_hi, last_key, key_bounds, key_host)
         accumulator = _Accumulator()
         for regime, keys in zip(regimes, rotated_keys):
@@ -803,6 +869,64 @@ def remapped_attention(
                 _add_regime(accumulator, regime, qr, keys, value, pq, key_positions, base, tiles, scaling)
         outputs.append(accumulator.result().to(query.dtype))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def _two_regime_kernel_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether a call may run :func:`hf_rope_ext.fused_attention.two_regime_attention`: inference on
+    CUDA with Triton installed, a head size it takes, 64 queries or more (a decode step's few rows
+    would leave most of the GPU idle: the tiles split its keys), the kernel not switched off."""
+    from . import fused_attention
+
+    if _TWO_REGIME_FAILED or os.environ.get(TWO_REGIME_SWITCH, "1") == "0" or not fused_attention.available():
+        return False
+    if not _two_regime_device(query.device) or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    return not needs_grad and query.shape[-1] in fused_attention.HEAD_DIMS and query.shape[2] >= 64
+
+
+def _two_regime_device(device: torch.device) -> bool:
+    """The kernel's device: CUDA (Triton's interpreter runs it on the CPU, far slower, for tests)."""
+    return device.type == "cuda"
+
+
+def _two_regime_chunk(q, pq, regimes, rotated_keys, value, chunk_lo, chunk_hi, k_lo, k_hi, inv_freq, scaling):
+    """One query chunk through the two-regime kernel, or None where its regimes are not two bands
+    that meet (near: distances ``0 ... W - 1``, far: ``W ... max``, every key position).
+
+    Self-Extend's chunks beyond ``L0`` are (one far group per chunk: chunks are cut where the
+    group changes); dual chunk's bands are key ranges, and fall back to the tiles."""
+    global _TWO_REGIME_FAILED
+    from . import fused_attention
+
+    active = []
+    for regime, keys in zip(regimes, rotated_keys):
+        if regime.classify is not None and regime.classify(chunk_lo, chunk_hi, k_lo, k_hi) == SKIP:
+            continue
+        band = regime.band(chunk_lo, chunk_hi) if regime.band is not None else None
+        if band is None or band.first_key > k_lo or band.last_key < k_hi:
+            return None
+        active.append((band, regime, keys))
+    if len(active) != 2:
+        return None
+    (near_band, near, near_keys), (far_band, far, far_keys) = sorted(active, key=lambda item: item[0].lo)
+    window = near_band.hi + 1
+    if near_band.lo != 0 or far_band.lo != window or far_band.hi < window:
+        return None
+    if chunk_lo < k_lo:
+        return None
+    q_near = q if near.query_position is None else _rotate(q, _shift(near.query_position, pq), inv_freq)
+    q_far = q if far.query_position is None else _rotate(q, _shift(far.query_position, pq), inv_freq)
+    try:
+        return fused_attention.two_regime_attention(
+            q_near, q_far, near_keys, far_keys, value, first_distance=chunk_lo - k_lo, window=int(window),
+            scaling=scaling, max_distance=None if far_band.hi == math.inf else int(far_band.hi),
+        )
+    except Exception as error:  # Triton's compile and launch errors have many types
+        _TWO_REGIME_FAILED = True
+        logger.warning("The two-regime attention kernel failed (%s: %s); using the partial-softmax path from now on.",
+                       type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        return None
 
 
 def _call_regimes(remap: PositionRemap | None, q_hi: int, k_lo: int, inv_freq: torch.Tensor,
@@ -1067,6 +1191,36 @@ class _Geometry:
 
 
 @dataclass
+class _PositionMemo:
+    """Facts about one ``position_ids`` tensor that every decoder layer of a forward receives.
+
+    Its largest position and the key positions derived from it read device values (a wait for
+    the device on a GPU, at every layer); they are computed once while the same tensor, unmodified,
+    comes back. The tensor is held, so its identity cannot pass to another one."""
+
+    source: torch.Tensor | None = None
+    stamp: tuple = ()
+    max_position: int = 0
+    keys: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+
+    def of(self, position_ids: torch.Tensor) -> _PositionMemo:
+        stamp = (_version(position_ids), torch.is_inference_mode_enabled())
+        if position_ids is not self.source or stamp != self.stamp:
+            self.source, self.stamp, self.keys = position_ids, stamp, {}
+            self.max_position = int(position_ids.max())
+        return self
+
+    def key_positions(self, query_slot: int, key_offset: int, key_len: int) -> torch.Tensor:
+        where = (query_slot, key_offset, key_len)
+        if where not in self.keys:
+            self.keys[where] = _key_positions(self.source, query_slot, key_offset, key_len)
+        return self.keys[where]
+
+    def clear(self) -> None:
+        self.source, self.stamp, self.keys = None, (), {}
+
+
+@dataclass
 class AttentionPatch:
     """What :func:`install` changed on one model instance, and the state its functions share."""
 
@@ -1086,6 +1240,7 @@ class AttentionPatch:
     geometry: dict[tuple[int, int], _Geometry] = field(default_factory=dict)
     key_rotations: KeyRotationTables = field(default_factory=KeyRotationTables)
     key_rotations_below_settle: KeyRotationTables = field(default_factory=KeyRotationTables)
+    positions_memo: _PositionMemo = field(default_factory=_PositionMemo)
     warned_no_weights: bool = False
     hooks: list = field(default_factory=list)  # the model's forward hooks (before_forward, after_forward)
     # the caches this patch filled, and where it left each (tokens, each row's last position)
@@ -1128,7 +1283,8 @@ class AttentionPatch:
             position_ids = torch.arange(first, first + query_len, device=query.device)[None]
         position_ids = position_ids.to(query.device)
         remap, inv_freq, key_rotations = self._current_remap()
-        if int(position_ids.max()) < self.original_length or (remap is None and not self.logn):
+        memo = self.positions_memo.of(position_ids)
+        if memo.max_position < self.original_length or (remap is None and not self.logn):
             # Inside the native context every method is plain attention: the model's own kernel.
             if self.original_implementation in FLASH_IMPLEMENTATIONS:
                 module = _ModuleWithImplementation(module, self.original_implementation)
@@ -1144,7 +1300,7 @@ class AttentionPatch:
             query_slot, key_offset = _query_slot_from_mask(attention_mask, query_len, key_len), 0
         else:  # keys are the cached tokens followed by this call's
             query_slot, key_offset = key_len - query_len, 0
-        key_positions = _key_positions(position_ids, query_slot, key_offset, key_len)
+        key_positions = memo.key_positions(query_slot, key_offset, key_len)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         # sdpa and eager masks carry the sliding window and packed sequences; flash attention's
@@ -1230,6 +1386,9 @@ class AttentionPatch:
         refused, not computed with wrong distances.
         """
         self.geometry.clear()
+        # the position memos serve the layers of one forward, never the next one
+        self.positions_memo.clear()
+        self.key_rotations.last_call = self.key_rotations_below_settle.last_call = None
         name, cache, positions = _cache_and_positions(module, args, kwargs)
         if cache is None:
             return
@@ -1530,3 +1689,4 @@ def uninstall(patch: AttentionPatch) -> None:
     patch.geometry.clear()
     patch.key_rotations.clear()
     patch.key_rotations_below_settle.clear()
+    patch.positions_memo.clear()

@@ -23,6 +23,8 @@ for tokens in 16384 65536; do
   for method in self-extend-by-parts dual-chunk self-extend; do
     [ -n "$other" ] && PYTHONPATH="$other${PYTHONPATH:+:$PYTHONPATH}" "$py" scripts/time_remapped_attention.py "$method" --tokens $tokens \
         --device cuda --dtype bf16 --repeats 3 | sed "s|^|other checkout: |"
-    PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$py" scripts/time_remapped_attention.py "$method" --tokens $tokens --device cuda --dtype bf16 --repeats 3
+    # self-extend's regimes also run with the one-pass kernel switched off (--both-paths)
+    both=(); [ "$method" = dual-chunk ] || both=(--both-paths)
+    PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$py" scripts/time_remapped_attention.py "$method" --tokens $tokens --device cuda --dtype bf16 --repeats 3 "${both[@]}"
   done
 done

@@ -9,6 +9,10 @@ compared on the same inputs (run it with PYTHONPATH pointing at each checkout, a
     PYTHONPATH=/path/to/old/checkout python scripts/time_remapped_attention.py self-extend
     PYTHONPATH=. python scripts/time_remapped_attention.py self-extend --device cuda --dtype bf16
 
+On CUDA the one-pass two-regime kernel (hf_rope_ext.fused_attention) runs the chunks it covers;
+`--both-paths` also times the partial-softmax tiles (HF_ROPE_EXT_TWO_REGIME_KERNEL=0) on the same
+inputs and prints the largest difference between the two outputs.
+
 `--count-tiles` times nothing: it counts the fused-kernel calls one call makes with CUDA's query
 chunks, and how many of them take a mask (runs anywhere, in seconds).
 """
@@ -16,6 +20,7 @@ chunks, and how many of them take a mask (runs anywhere, in seconds).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -73,6 +78,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    parser.add_argument("--both-paths", action="store_true",
+                        help="also time the partial-softmax tiles with the two-regime kernel switched off")
     parser.add_argument("--count-tiles", action="store_true",
                         help="time nothing: count the kernel calls one call makes with CUDA's query chunks (any device)")
     args = parser.parse_args()
@@ -97,16 +104,35 @@ def main() -> None:
     key, value = (torch.randn(1, 3, args.tokens, 64).to(device, dtype) for _ in range(2))
     positions = torch.arange(args.tokens, device=device)[None]
     inv_freq = 1.0 / 1e5 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
-    with torch.no_grad():
-        remapped, output = best_time(lambda: attention.remapped_attention(
+    def run():
+        return attention.remapped_attention(
             query, key, value, query_positions=positions, key_positions=positions, allowed=lambda a, b: None,
             remap=remap, inv_freq=inv_freq, scaling=0.125,
-        ), args.repeats, device)
+        )
+
+    with torch.no_grad():
+        remapped, output = best_time(run, args.repeats, device)
         plain, _ = best_time(lambda: torch.nn.functional.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=0.125, enable_gqa=True,
         ), args.repeats, device)
+        tiles = tiles_output = None
+        if args.both_paths:
+            previous = os.environ.get(attention.TWO_REGIME_SWITCH)
+            os.environ[attention.TWO_REGIME_SWITCH] = "0"
+            try:
+                tiles, tiles_output = best_time(run, args.repeats, device)
+            finally:
+                if previous is None:
+                    del os.environ[attention.TWO_REGIME_SWITCH]
+                else:
+                    os.environ[attention.TWO_REGIME_SWITCH] = previous
     print(f"{args.method} {args.tokens} tokens {args.dtype} on {args.device}: best of {args.repeats} {remapped:.4f} s, "
           f"causal sdpa {plain:.4f} s ({remapped / plain:.2f}x), checksum {float(output.double().abs().sum()):.6f}")
+    if tiles is not None:
+        difference = float((output.float() - tiles_output.float()).abs().max())
+        print(f"  partial-softmax tiles (kernel off): {tiles:.4f} s ({tiles / plain:.2f}x sdpa; default path "
+              f"{tiles / remapped:.2f}x faster), checksum {float(tiles_output.double().abs().sum()):.6f}, "
+              f"largest difference {difference:.2e}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ import os
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels (hf_rope_ext.fused_attention) run in Triton's interpreter on the
+# CPU; it is chosen when triton is first imported, so before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,

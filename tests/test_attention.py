@@ -372,6 +372,60 @@ def test_key_rotation_tables_are_computed_once_per_forward(method, monkeypatch):
     torch.testing.assert_close(shared, per_layer, atol=0, rtol=0)
 
 
+def test_layers_of_one_forward_read_the_positions_once(monkeypatch):
+    """Copying positions to the host and deriving the key positions wait for the device on a GPU:
+    the layers of one forward share them (one copy and one derivation per forward, not per layer),
+    and the next forward computes them again, also for the same tensor changed in place."""
+    model = make_model("llama", attn_implementation="sdpa")
+    assert model.config.num_hidden_layers > 1
+    ids = random_ids(LENGTH)
+    copies, derived = [], []
+    real_of, real_keys = attention_level._HostPositions.of.__func__, attention_level._key_positions
+    monkeypatch.setattr(attention_level._HostPositions, "of",
+                        classmethod(lambda cls, q, k: copies.append(q.shape) or real_of(cls, q, k)))
+    monkeypatch.setattr(attention_level, "_key_positions", lambda *args: derived.append(args[1:]) or real_keys(*args))
+    patch_model(model, scale=4, method="self-extend", neighbor_window=8)
+    positions = torch.arange(LENGTH)[None]
+    with torch.no_grad():
+        first = model(ids, position_ids=positions).logits
+        assert (len(copies), len(derived)) == (1, 1)
+        positions.add_(5)
+        shifted = model(ids, position_ids=positions).logits
+        assert (len(copies), len(derived)) == (2, 2)
+        with torch.inference_mode():  # inference tensors keep no version counter: each forward starts afresh
+            frozen = torch.arange(LENGTH)[None]
+            model(ids, position_ids=frozen)
+            frozen.add_(5)
+            frozen_shifted = model(ids, position_ids=frozen).logits
+        assert (len(copies), len(derived)) == (4, 4)
+    fresh = make_model("llama", attn_implementation="sdpa")
+    patch_model(fresh, scale=4, method="self-extend", neighbor_window=8)
+    with torch.no_grad():
+        expected_shifted = fresh(ids, position_ids=torch.arange(5, LENGTH + 5)[None]).logits
+        torch.testing.assert_close(shifted, expected_shifted, atol=0, rtol=0)
+        torch.testing.assert_close(frozen_shifted, expected_shifted, atol=0, rtol=0)
+        torch.testing.assert_close(first, fresh(ids).logits, atol=0, rtol=0)
+
+
+def test_position_memos_see_in_place_changes():
+    """Without the forward hooks (layers called on their own), the memos still recompute for a
+    tensor changed in place: they check its version counter, not only its identity."""
+    positions = torch.arange(40)[None]
+    memo = attention_level._PositionMemo()
+    assert memo.of(positions).max_position == 39
+    keys = memo.key_positions(0, 0, 40)
+    assert memo.key_positions(0, 0, 40) is keys
+    positions.add_(10)
+    assert memo.of(positions).max_position == 49
+    assert torch.equal(memo.key_positions(0, 0, 40), torch.arange(10, 50)[None])
+    tables = attention_level.KeyRotationTables()
+    query = torch.arange(30, 40)[None]
+    facts = tables.positions_of_call(query, positions, 1)
+    assert tables.positions_of_call(query, positions, 1) is facts
+    query.add_(10)
+    assert tables.positions_of_call(query, positions, 1).q_lo == 40
+
+
 def _generation_matches_full_forward(model, ids, attention_mask=None, **kwargs):
     out = model.generate(
         # min_new_tokens: the sequence reaches the planned length, whose frequencies a length-dependent

@@ -1,0 +1,232 @@
+"""One fused GPU kernel (Triton) for attention whose keys fall into two position regimes by distance.
+
+Self-Extend (Jin et al., ICML 2024, arXiv 2401.01325) reads each key in one of two ways: keys
+within ``W`` positions of the query keep their true positions (neighbour regime), farther keys
+use remapped ones (grouped, or YaRN's by-parts split: see
+:class:`hf_rope_ext.attention.SelfExtendRemap`). With queries and keys rotated once for each
+regime (``q_near, k_near`` and ``q_far, k_far``), the logit of the pair at distance
+``d = P_q - P_k`` is
+
+    s(i, j) = scale * q_near[i] . k_near[j]    if 0 <= d < W
+    s(i, j) = scale * q_far[i]  . k_far[j]     if W <= d <= max_distance
+    (masked otherwise: keys after the query, or beyond a sliding window)
+
+followed by one softmax over ``j``. :func:`two_regime_attention` computes this in one pass, as
+FlashAttention-2 does (Dao 2023, arXiv 2307.08691): each program holds a block of queries,
+walks the key blocks with an online softmax (running maximum and sum, float32) and never holds
+a score matrix. Key blocks entirely in one regime take one matrix product; only the few blocks
+that straddle ``d = W`` (about ``(BLOCK_M + BLOCK_N) / BLOCK_N`` per query block) take both.
+
+The partial-softmax path of :mod:`hf_rope_ext.attention` computes the same thing with several
+PyTorch kernel calls and a log-sum-exp merge; on a GPU this kernel replaces them for the chunks
+it covers (consecutive positions, no padding mask, no gradient, bf16/fp16). It needs Triton,
+which PyTorch's CUDA wheels install; without it the partial-softmax path runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+try:  # Triton ships with PyTorch's CUDA wheels; a CPU-only install has none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+
+__all__ = ["available", "two_regime_attention"]
+
+_LOG2_E = 1.0 / math.log(2.0)
+HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def available() -> bool:
+    """Whether Triton is importable (the kernel itself runs on CUDA, or anywhere under ``TRITON_INTERPRET=1``)."""
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _two_regime_kernel(
+        q_near_ptr, q_far_ptr, k_near_ptr, k_far_ptr, v_ptr, out_ptr,
+        stride_qb, stride_qh, stride_qm,
+        stride_fb, stride_fh, stride_fm,
+        stride_kb, stride_kh, stride_kn,
+        stride_gb, stride_gh, stride_gn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_om,
+        heads, heads_per_key, rows, keys,
+        first_distance, window, max_distance, scale_log2,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        # Pair (row m, key column n) is at distance d = first_distance + m - n.
+        block = tl.program_id(0)
+        batch_head = tl.program_id(1)
+        batch = batch_head // heads
+        head = batch_head % heads
+        key_head = head // heads_per_key
+        row_lo = block * BLOCK_M
+        row_hi = tl.minimum(row_lo + BLOCK_M, rows) - 1
+        offs_m = row_lo + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < rows
+
+        q_offsets = offs_m[:, None] * stride_qm + offs_d[None, :]
+        q_near = tl.load(q_near_ptr + batch * stride_qb + head * stride_qh + q_offsets, mask=row_ok[:, None], other=0.0)
+        f_offsets = offs_m[:, None] * stride_fm + offs_d[None, :]
+        q_far = tl.load(q_far_ptr + batch * stride_fb + head * stride_fh + f_offsets, mask=row_ok[:, None], other=0.0)
+        k_near_base = k_near_ptr + batch * stride_kb + key_head * stride_kh
+        k_far_base = k_far_ptr + batch * stride_gb + key_head * stride_gh
+        v_base = v_ptr + batch * stride_vb + key_head * stride_vh
+
+        running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+        # Key range of this block: causal (d >= 0) and, with a window, d <= max_distance.
+        key_end = tl.minimum(keys, first_distance + row_hi + 1)
+        key_start = tl.maximum(first_distance + row_lo - max_distance, 0) // BLOCK_N * BLOCK_N
+        # [key_start, far_end): whole blocks where every pair is far (d >= window from row_lo).
+        far_end = tl.minimum(first_distance + row_lo - window + 1, key_end) // BLOCK_N * BLOCK_N
+        far_end = tl.maximum(far_end, key_start)
+        # [near_start, key_end): every pair near (d < window from row_hi); between: both regimes.
+        near_start = (first_distance + row_hi - window + 1 + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        near_start = tl.minimum(tl.maximum(near_start, far_end), key_end)
+
+        for start in range(key_start, far_end, BLOCK_N):
+            cols = start + offs_n
+            k = tl.load(k_far_base + cols[:, None] * stride_gn + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :])
+            scores = tl.dot(q_far, tl.trans(k), input_precision=PRECISION) * scale_log2
+            if WINDOWED:
+                distance = first_distance + offs_m[:, None] - cols[None, :]
+                scores = tl.where(distance <= max_distance, scores, float("-inf"))
+            block_max = tl.maximum(running_max, tl.max(scores, 1))
+            safe_max = tl.where(block_max == float("-inf"), 0.0, block_max)
+            p = tl.math.exp2(scores - safe_max[:, None])
+            alpha = tl.math.exp2(running_max - safe_max)
+            running_sum = running_sum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            running_max = block_max
+
+        for start in range(far_end, near_start, BLOCK_N):
+            cols = start + offs_n
+            col_ok = cols < keys
+            k_near = tl.load(k_near_base + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            k_far = tl.load(k_far_base + cols[:, None] * stride_gn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            near_scores = tl.dot(q_near, tl.trans(k_near), input_precision=PRECISION)
+            far_scores = tl.dot(q_far, tl.trans(k_far), input_precision=PRECISION)
+            distance = first_distance + offs_m[:, None] - cols[None, :]
+            scores = tl.where(distance < window, near_scores, far_scores) * scale_log2
+            allowed = (distance >= 0) & (distance <= max_distance) & col_ok[None, :]
+            scores = tl.where(allowed, scores, float("-inf"))
+            block_max = tl.maximum(running_max, tl.max(scores, 1))
+            safe_max = tl.where(block_max == float("-inf"), 0.0, block_max)
+            p = tl.math.exp2(scores - safe_max[:, None])
+            alpha = tl.math.exp2(running_max - safe_max)
+            running_sum = running_sum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            running_max = block_max
+
+        for start in range(near_start, key_end, BLOCK_N):
+            cols = start + offs_n
+            col_ok = cols < keys
+            k = tl.load(k_near_base + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            scores = tl.dot(q_near, tl.trans(k), input_precision=PRECISION) * scale_log2
+            distance = first_distance + offs_m[:, None] - cols[None, :]
+            scores = tl.where((distance >= 0) & col_ok[None, :], scores, float("-inf"))
+            block_max = tl.maximum(running_max, tl.max(scores, 1))
+            safe_max = tl.where(block_max == float("-inf"), 0.0, block_max)
+            p = tl.math.exp2(scores - safe_max[:, None])
+            alpha = tl.math.exp2(running_max - safe_max)
+            running_sum = running_sum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            running_max = block_max
+
+        # rows with no key (none here: a query always reads itself) would divide 0 by 0
+        acc = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
+        o_offsets = offs_m[:, None] * stride_om + offs_d[None, :]
+        tl.store(out_ptr + batch * stride_ob + head * stride_oh + o_offsets, acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head size (float32 tiles take twice the memory)."""
+    wide = head_dim > 64 or dtype == torch.float32
+    if head_dim > 128:
+        return 64, 32, 4, 2
+    return (128, 64, 8, 3) if wide else (128, 64, 4, 3)
+
+
+def two_regime_attention(
+    q_near: torch.Tensor,
+    q_far: torch.Tensor,
+    k_near: torch.Tensor,
+    k_far: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    first_distance: int,
+    window: int,
+    scaling: float,
+    max_distance: int | None = None,
+    block_sizes: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """Softmax attention with the near/far rule of the module docstring; returns ``(B, H, M, D)``.
+
+    Args:
+        q_near, q_far: (B, H, M, D) queries rotated for each regime (row ``m`` at position
+            ``first_distance + m`` relative to key column 0).
+        k_near, k_far, value: (B, Hkv, N, D), ``H`` a multiple of ``Hkv`` (grouped-query attention).
+        first_distance: ``P_q(row 0) - P_k(column 0)``: positions are consecutive in both.
+        window: the first distance that uses the far regime (Self-Extend's ``W``, >= 1).
+        scaling: the softmax scale.
+        max_distance: keys farther than this are not read (a sliding window), or None.
+        block_sizes: ``(BLOCK_M, BLOCK_N[, num_warps, num_stages])`` instead of the defaults (tests
+            under the interpreter, tuning).
+    """
+    if triton is None:
+        raise RuntimeError("two_regime_attention needs Triton (installed with PyTorch's CUDA wheels).")
+    batch, heads, rows, head_dim = q_near.shape
+    key_heads, keys = k_near.shape[1], k_near.shape[2]
+    if q_far.shape != q_near.shape or k_far.shape != k_near.shape or value.shape != k_near.shape:
+        raise ValueError("q_near/q_far and k_near/k_far/value must have matching shapes.")
+    if head_dim not in HEAD_DIMS or heads % key_heads or k_near.shape[0] != batch or k_near.shape[-1] != head_dim:
+        raise ValueError(f"unsupported shapes: queries {tuple(q_near.shape)}, keys {tuple(k_near.shape)} "
+                         f"(head size one of {HEAD_DIMS}, query heads a multiple of key heads).")
+    if window < 1 or first_distance < 0:
+        raise ValueError(f"window must be >= 1 and first_distance >= 0, got {window} and {first_distance}.")
+    if max_distance is not None and max_distance < window:
+        raise ValueError(f"max_distance ({max_distance}) below window ({window}) leaves no far keys; "
+                         "use plain attention with that window instead.")
+    tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (q_near, q_far, k_near, k_far, value)]
+    q_near, q_far, k_near, k_far, value = tensors
+    output = torch.empty(batch, heads, rows, head_dim, dtype=q_near.dtype, device=q_near.device)
+    if rows == 0:
+        return output
+    block_m, block_n, warps, stages = _blocks(head_dim, q_near.dtype)
+    if block_sizes is not None:  # (BLOCK_M, BLOCK_N) or (BLOCK_M, BLOCK_N, num_warps, num_stages)
+        block_m, block_n, warps, stages = (*block_sizes, warps, stages)[:4]
+    windowed = max_distance is not None
+    # "no window": a distance no pair reaches, kept inside int32
+    limit = int(max_distance) if windowed else first_distance + rows + 1
+    grid = (triton.cdiv(rows, block_m), batch * heads)
+    _two_regime_kernel[grid](
+        q_near, q_far, k_near, k_far, value, output,
+        *q_near.stride()[:3], *q_far.stride()[:3], *k_near.stride()[:3], *k_far.stride()[:3], *value.stride()[:3],
+        *output.stride()[:3],
+        heads, heads // key_heads, rows, keys,
+        int(first_distance), int(window), limit, float(scaling) * _LOG2_E,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WINDOWED=windowed,
+        PRECISION="ieee" if q_near.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+    )
+    return output

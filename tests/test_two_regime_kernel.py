@@ -1,0 +1,188 @@
+"""The one-pass two-regime attention kernel (hf_rope_ext.fused_attention) against a float64
+softmax over explicit near/far logits, and patched models that run it against the papers'
+position maps. On a GPU the kernel runs compiled; without one, in Triton's interpreter (see
+conftest), with small blocks so that several blocks of every kind (far, straddling, near) occur."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from hf_rope_ext import patch_model, unpatch_model
+from hf_rope_ext import attention as attention_level
+from hf_rope_ext import compat
+from hf_rope_ext import fused_attention
+
+from conftest import make_model, random_ids
+from test_attention import (L0, LENGTH, PAPER_CASES, _yarn_twin, reference_logits, reference_logits_at,
+                            self_extend_by_parts_positions)
+
+pytestmark = pytest.mark.skipif(not fused_attention.available(), reason="needs Triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter runs each program in numpy: small blocks keep it quick
+BLOCKS = None if DEVICE == "cuda" else (16, 16)
+# numpy, under the interpreter, has no bfloat16
+HALF_AND_FULL = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def two_regime_reference(q_near, q_far, k_near, k_far, value, first_distance, window, scaling, max_distance=None):
+    """Float64 softmax over ``where(d < window, q_near k_near, q_far k_far)``, ``d = first_distance + m - n``."""
+    q_near, q_far, k_near, k_far, value = (x.double().cpu() for x in (q_near, q_far, k_near, k_far, value))
+    repeat = q_near.shape[1] // k_near.shape[1]
+    k_near, k_far, value = (x.repeat_interleave(repeat, dim=1) for x in (k_near, k_far, value))
+    distance = first_distance + torch.arange(q_near.shape[2])[:, None] - torch.arange(k_near.shape[2])[None]
+    scores = torch.where(distance < window, q_near @ k_near.transpose(-1, -2), q_far @ k_far.transpose(-1, -2)) * scaling
+    allowed = distance >= 0
+    if max_distance is not None:
+        allowed &= distance <= max_distance
+    return scores.masked_fill(~allowed, -math.inf).softmax(-1) @ value
+
+
+# (batch, query heads, key heads, rows, keys, first distance, window, max distance)
+SHAPES = {
+    "square, grouped-query": (1, 4, 2, 70, 70, 0, 21, None),
+    "queries after a cache": (2, 3, 1, 45, 130, 85, 40, None),
+    "window below one block": (1, 2, 2, 50, 90, 40, 5, None),
+    "sliding window": (1, 2, 1, 60, 110, 50, 17, 43),
+    "window beyond every key": (1, 2, 2, 20, 60, 40, 100, None),
+}
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_kernel_matches_a_float64_softmax_of_the_two_regimes(shape, dtype):
+    batch, heads, key_heads, rows, keys, first, window, max_distance = SHAPES[shape]
+    generator = torch.Generator().manual_seed(0)
+    q_near, q_far = (torch.randn(batch, heads, rows, 16, generator=generator) for _ in range(2))
+    k_near, k_far, value = (torch.randn(batch, key_heads, keys, 16, generator=generator) for _ in range(3))
+    expected = two_regime_reference(q_near, q_far, k_near, k_far, value, first, window, 0.3, max_distance)
+    tensors = [x.to(DEVICE, dtype) for x in (q_near, q_far, k_near, k_far, value)]
+    # a transposed query layout, as transformers' projections give (strides, not a copy)
+    tensors[0] = tensors[0].transpose(1, 2).contiguous().transpose(1, 2)
+    actual = fused_attention.two_regime_attention(
+        *tensors, first_distance=first, window=window, scaling=0.3, max_distance=max_distance, block_sizes=BLOCKS
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual.double().cpu(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_kernel_refuses_bad_arguments():
+    q, k = torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="head size"):
+        fused_attention.two_regime_attention(q[..., :12], q[..., :12], k[..., :12], k[..., :12], k[..., :12],
+                                             first_distance=0, window=2, scaling=1.0)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        fused_attention.two_regime_attention(q, q, k, k, k, first_distance=0, window=0, scaling=1.0)
+    with pytest.raises(ValueError, match="leaves no far keys"):
+        fused_attention.two_regime_attention(q, q, k, k, k, first_distance=0, window=4, scaling=1.0, max_distance=3)
+    with pytest.raises(ValueError, match="matching shapes"):
+        fused_attention.two_regime_attention(q, q[:, :1], k, k, k, first_distance=0, window=2, scaling=1.0)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the kernel's calls; lets it run on the CPU (the interpreter) where there is no GPU."""
+    calls = []
+    original = fused_attention.two_regime_attention
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["window"])
+        return original(*args, **{**kwargs, "block_sizes": BLOCKS})
+
+    monkeypatch.setattr(fused_attention, "two_regime_attention", counted)
+    monkeypatch.setattr(attention_level, "_two_regime_device", lambda device: True)
+    return calls
+
+
+def _theta(model):
+    head_dim = model.model.layers[0].self_attn.head_dim
+    return 1.0 / model.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+
+CASES = {
+    **{case: (params, lambda model, fn=fn: fn) for case, (params, fn) in PAPER_CASES.items() if case.startswith("self-extend")},
+    "self-extend by-parts": ({"neighbor_window": 8, "far_positions": "by-parts"},
+                             lambda model: lambda i, j: self_extend_by_parts_positions(i, j, None, 8, _theta(model))),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_patched_model_through_the_kernel_matches_the_papers_positions(case, kernel_calls):
+    ids = random_ids(LENGTH)
+    params, position_fn = CASES[case]
+    host = make_model("llama", attn_implementation="sdpa")
+    expected = reference_logits(host, ids, position_fn(host))
+    model = make_model("llama", attn_implementation="sdpa").to(DEVICE)
+    patch_model(model, scale=4, method="self-extend", **params)
+    try:
+        with torch.no_grad():
+            actual = model(ids.to(DEVICE)).logits
+    finally:
+        unpatch_model(model)
+    assert kernel_calls, "the kernel never ran"
+    assert set(kernel_calls) == {params["neighbor_window"]}
+    assert not attention_level._TWO_REGIME_FAILED
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_default_through_the_kernel_matches_its_reference(kernel_calls):
+    """self-extend-yarn beyond its settle length: by-parts positions (window L0 / 4, a group per
+    query) over transformers' yarn x2 frequencies."""
+    model = make_model("llama", attn_implementation="sdpa")
+    ids = random_ids(LENGTH)
+    twin_long, inv_freq = _yarn_twin(model, 2.0)
+    expected = reference_logits_at(twin_long, ids, None, lambda i, j: self_extend_by_parts_positions(i, j, None, L0 // 4, inv_freq),
+                                   theta=inv_freq)
+    model = model.to(DEVICE)
+    patch_model(model, scale=4, method="self-extend-yarn")
+    with torch.no_grad():
+        actual = model(ids.to(DEVICE)).logits
+    assert kernel_calls and set(kernel_calls) == {L0 // 4}
+    torch.testing.assert_close(actual.cpu(), expected, atol=5e-5, rtol=1e-4)
+
+
+def test_kernel_is_skipped_for_training_decode_steps_and_when_switched_off(kernel_calls, monkeypatch):
+    model = make_model("llama", attn_implementation="sdpa").to(DEVICE)
+    patch_model(model, scale=4, method="self-extend", group_size=6, neighbor_window=8)
+    ids = random_ids(LENGTH).to(DEVICE)
+    try:
+        model(ids).logits.sum().backward()  # gradients: the differentiable path
+        assert kernel_calls == []
+        monkeypatch.setenv(attention_level.TWO_REGIME_SWITCH, "0")
+        with torch.no_grad():
+            model(ids)
+        assert kernel_calls == []
+        monkeypatch.delenv(attention_level.TWO_REGIME_SWITCH)
+        with torch.no_grad():
+            out = model(ids[:, :-1], use_cache=True)
+            kernel_calls.clear()
+            model(ids[:, -1:], **{compat.cache_argument_name(inspect.signature(model.forward).parameters): out.past_key_values})  # one query: the tiles
+        assert kernel_calls == []
+    finally:
+        unpatch_model(model)
+
+
+def test_a_kernel_failure_falls_back_once_with_a_warning(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(fused_attention, "two_regime_attention", broken)
+    monkeypatch.setattr(attention_level, "_two_regime_device", lambda device: True)
+    monkeypatch.setattr(attention_level, "_TWO_REGIME_FAILED", False)
+    ids = random_ids(LENGTH)
+    params, position_fn = PAPER_CASES["self-extend"]
+    expected = reference_logits(make_model("llama", attn_implementation="sdpa"), ids, position_fn)
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method="self-extend", **params)
+    try:
+        with torch.no_grad():
+            actual = model(ids).logits
+    finally:
+        unpatch_model(model)
+    assert attention_level._TWO_REGIME_FAILED
+    assert sum("two-regime attention kernel failed" in r.message for r in caplog.records) == 1
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
