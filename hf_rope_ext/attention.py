@@ -549,8 +549,15 @@ class _HostPositions:
 
 def _version(tensor: torch.Tensor) -> int | None:
     """The in-place modification counter of ``tensor`` (None for inference tensors, which keep none:
-    the memos that use it are also cleared at the start of every forward of a patched model)."""
+    the memos reuse those only inside one forward of the patched model, see ``within_forward``)."""
     return None if tensor.is_inference() else tensor._version
+
+
+def _reusable(stamp: tuple, known: tuple, within_forward: bool) -> bool:
+    """Whether memo facts stamped ``known`` serve a call stamped ``stamp`` (same tensors assumed):
+    the same version counters, and for inference tensors (no counter: an in-place change cannot be
+    seen) only inside one forward of the patched model, whose hooks clear the memos around it."""
+    return stamp == known and (within_forward or None not in stamp)
 
 
 class KeyRotationTables:
@@ -570,12 +577,13 @@ class KeyRotationTables:
         self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.verified: torch.Tensor | None = None  # the positions last compared with self.positions
         self.last_call: tuple | None = None  # (query source, key source, stamp, _HostPositions)
+        self.within_forward = False  # set by the patch's hooks around each forward of its model
 
     def positions_of_call(self, query_positions: torch.Tensor, key_positions: torch.Tensor, batch: int) -> _HostPositions:
         """``(B, N)`` views of the call's positions and their host facts, computed once for the same tensors."""
         stamp = (_version(query_positions), _version(key_positions), batch, torch.is_inference_mode_enabled())
         last = self.last_call
-        if last is not None and last[0] is query_positions and last[1] is key_positions and last[2] == stamp:
+        if last is not None and last[0] is query_positions and last[1] is key_positions and _reusable(stamp, last[2], self.within_forward):
             return last[3]
         facts = _HostPositions.of(query_positions.expand(batch, -1), key_positions.expand(batch, -1))
         self.last_call = (query_positions, key_positions, stamp, facts)
@@ -595,6 +603,7 @@ class KeyRotationTables:
 
     def clear(self) -> None:
         self.positions, self.tables, self.verified, self.last_call = None, {}, None, None
+        self.within_forward = False
 
 
 def _shift(position_map: Callable[[torch.Tensor], torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
@@ -877,12 +886,27 @@ def _two_regime_kernel_applies(query: torch.Tensor, key: torch.Tensor, value: to
     would leave most of the GPU idle: the tiles split its keys), the kernel not switched off."""
     from . import fused_attention
 
-    if _TWO_REGIME_FAILED or os.environ.get(TWO_REGIME_SWITCH, "1") == "0" or not fused_attention.available():
+    if _TWO_REGIME_FAILED or not _two_regime_switched_on() or not fused_attention.available():
         return False
     if not _two_regime_device(query.device) or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     return not needs_grad and query.shape[-1] in fused_attention.HEAD_DIMS and query.shape[2] >= 64
+
+
+_SWITCH_VALUES = {"0": False, "false": False, "off": False, "no": False, "1": True, "true": True, "on": True, "yes": True}
+
+
+def _two_regime_switched_on() -> bool:
+    """``HF_ROPE_EXT_TWO_REGIME_KERNEL``: unset or 1/true/on/yes runs the kernel, 0/false/off/no not."""
+    value = os.environ.get(TWO_REGIME_SWITCH)
+    if value is None:
+        return True
+    switched = _SWITCH_VALUES.get(value.strip().lower())
+    if switched is None:
+        raise ValueError(f"{TWO_REGIME_SWITCH}={value!r} is not understood; set it to 0 (the kernel off) or 1 (on), "
+                         "or unset it.")
+    return switched
 
 
 def _two_regime_device(device: torch.device) -> bool:
@@ -1202,10 +1226,11 @@ class _PositionMemo:
     stamp: tuple = ()
     max_position: int = 0
     keys: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+    within_forward: bool = False  # set by the patch's hooks around each forward of its model
 
     def of(self, position_ids: torch.Tensor) -> _PositionMemo:
         stamp = (_version(position_ids), torch.is_inference_mode_enabled())
-        if position_ids is not self.source or stamp != self.stamp:
+        if position_ids is not self.source or not _reusable(stamp, self.stamp, self.within_forward):
             self.source, self.stamp, self.keys = position_ids, stamp, {}
             self.max_position = int(position_ids.max())
         return self
@@ -1217,7 +1242,7 @@ class _PositionMemo:
         return self.keys[where]
 
     def clear(self) -> None:
-        self.source, self.stamp, self.keys = None, (), {}
+        self.source, self.stamp, self.keys, self.within_forward = None, (), {}, False
 
 
 @dataclass
@@ -1386,9 +1411,7 @@ class AttentionPatch:
         refused, not computed with wrong distances.
         """
         self.geometry.clear()
-        # the position memos serve the layers of one forward, never the next one
-        self.positions_memo.clear()
-        self.key_rotations.last_call = self.key_rotations_below_settle.last_call = None
+        self._forward_boundary(starting=True)
         name, cache, positions = _cache_and_positions(module, args, kwargs)
         if cache is None:
             return
@@ -1417,6 +1440,18 @@ class AttentionPatch:
                 return
         # Without position ids the model took them from the cache: contiguous, nothing to check later.
         self.filled.record(cache, None if positions is None else positions[:, -1].detach().clone())
+
+    def end_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Forward hook of the model that runs even when the forward raised: the memos' forward is over."""
+        self._forward_boundary(starting=False)
+
+    def _forward_boundary(self, starting: bool) -> None:
+        # The position memos serve the layers of one forward, never the next one (nor layers
+        # called on their own afterwards: they hold no inference tensor across calls then).
+        self.positions_memo.clear()
+        self.positions_memo.within_forward = starting
+        for tables in (self.key_rotations, self.key_rotations_below_settle):
+            tables.last_call, tables.within_forward = None, starting
 
     def mask(self, *args, **kwargs):
         """The mask function registered for this model: the original one, plus the cache geometry."""
@@ -1625,6 +1660,7 @@ def install(
     if model is not None:  # bound methods, so that copy.deepcopy binds the copy's hooks to the copy's patch
         patch.hooks.append(model.register_forward_pre_hook(patch.before_forward, with_kwargs=True))
         patch.hooks.append(model.register_forward_hook(patch.after_forward, with_kwargs=True))
+        patch.hooks.append(model.register_forward_hook(patch.end_forward, with_kwargs=True, always_call=True))
     _register(patch)
     config._attn_implementation = patch.name
     logger.info("Attention of this model routed through %s (was %r).", patch.name, implementation)

@@ -25,8 +25,10 @@ which PyTorch's CUDA wheels install; without it the partial-softmax path runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 
 import torch
 
@@ -43,6 +45,7 @@ __all__ = ["available", "two_regime_attention"]
 
 _LOG2_E = 1.0 / math.log(2.0)
 HEAD_DIMS = (16, 32, 64, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def available() -> bool:
@@ -69,20 +72,26 @@ if triton is not None:
         # Pair (row m, key column n) is at distance d = first_distance + m - n.
         block = tl.program_id(0)
         batch_head = tl.program_id(1)
-        batch = batch_head // heads
-        head = batch_head % heads
+        # Offsets of whole heads and of block starts in int64: (batch, head, row) offsets of a
+        # long input (several heads of 128k tokens, a batch of them) pass 2**31 elements.
+        batch = (batch_head // heads).to(tl.int64)
+        head = (batch_head % heads).to(tl.int64)
         key_head = head // heads_per_key
         row_lo = block * BLOCK_M
         row_hi = tl.minimum(row_lo + BLOCK_M, rows) - 1
-        offs_m = row_lo + tl.arange(0, BLOCK_M)
+        local_m = tl.arange(0, BLOCK_M)
+        offs_m = row_lo + local_m
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
         row_ok = offs_m < rows
+        first_row = row_lo.to(tl.int64)
 
-        q_offsets = offs_m[:, None] * stride_qm + offs_d[None, :]
-        q_near = tl.load(q_near_ptr + batch * stride_qb + head * stride_qh + q_offsets, mask=row_ok[:, None], other=0.0)
-        f_offsets = offs_m[:, None] * stride_fm + offs_d[None, :]
-        q_far = tl.load(q_far_ptr + batch * stride_fb + head * stride_fh + f_offsets, mask=row_ok[:, None], other=0.0)
+        q_offsets = local_m[:, None] * stride_qm + offs_d[None, :]
+        q_near_block = q_near_ptr + batch * stride_qb + head * stride_qh + first_row * stride_qm
+        q_near = tl.load(q_near_block + q_offsets, mask=row_ok[:, None], other=0.0)
+        f_offsets = local_m[:, None] * stride_fm + offs_d[None, :]
+        q_far_block = q_far_ptr + batch * stride_fb + head * stride_fh + first_row * stride_fm
+        q_far = tl.load(q_far_block + f_offsets, mask=row_ok[:, None], other=0.0)
         k_near_base = k_near_ptr + batch * stride_kb + key_head * stride_kh
         k_far_base = k_far_ptr + batch * stride_gb + key_head * stride_gh
         v_base = v_ptr + batch * stride_vb + key_head * stride_vh
@@ -103,8 +112,9 @@ if triton is not None:
 
         for start in range(key_start, far_end, BLOCK_N):
             cols = start + offs_n
-            k = tl.load(k_far_base + cols[:, None] * stride_gn + offs_d[None, :])
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :])
+            first = tl.cast(start, tl.int64)
+            k = tl.load(k_far_base + first * stride_gn + offs_n[:, None] * stride_gn + offs_d[None, :])
+            v = tl.load(v_base + first * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :])
             scores = tl.dot(q_far, tl.trans(k), input_precision=PRECISION) * scale_log2
             if WINDOWED:
                 distance = first_distance + offs_m[:, None] - cols[None, :]
@@ -120,9 +130,13 @@ if triton is not None:
         for start in range(far_end, near_start, BLOCK_N):
             cols = start + offs_n
             col_ok = cols < keys
-            k_near = tl.load(k_near_base + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            k_far = tl.load(k_far_base + cols[:, None] * stride_gn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            first = tl.cast(start, tl.int64)
+            k_near = tl.load(k_near_base + first * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :],
+                             mask=col_ok[:, None], other=0.0)
+            k_far = tl.load(k_far_base + first * stride_gn + offs_n[:, None] * stride_gn + offs_d[None, :],
+                            mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_base + first * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :],
+                        mask=col_ok[:, None], other=0.0)
             near_scores = tl.dot(q_near, tl.trans(k_near), input_precision=PRECISION)
             far_scores = tl.dot(q_far, tl.trans(k_far), input_precision=PRECISION)
             distance = first_distance + offs_m[:, None] - cols[None, :]
@@ -140,8 +154,11 @@ if triton is not None:
         for start in range(near_start, key_end, BLOCK_N):
             cols = start + offs_n
             col_ok = cols < keys
-            k = tl.load(k_near_base + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            first = tl.cast(start, tl.int64)
+            k = tl.load(k_near_base + first * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :],
+                        mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_base + first * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :],
+                        mask=col_ok[:, None], other=0.0)
             scores = tl.dot(q_near, tl.trans(k), input_precision=PRECISION) * scale_log2
             distance = first_distance + offs_m[:, None] - cols[None, :]
             scores = tl.where((distance >= 0) & col_ok[None, :], scores, float("-inf"))
@@ -155,9 +172,9 @@ if triton is not None:
 
         # rows with no key (none here: a query always reads itself) would divide 0 by 0
         acc = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
-        o_offsets = offs_m[:, None] * stride_om + offs_d[None, :]
-        tl.store(out_ptr + batch * stride_ob + head * stride_oh + o_offsets, acc.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
+        o_offsets = local_m[:, None] * stride_om + offs_d[None, :]
+        o_block = out_ptr + batch * stride_ob + head * stride_oh + first_row * stride_om
+        tl.store(o_block + o_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -166,6 +183,48 @@ def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     if head_dim > 128:
         return 64, 32, 4, 2
     return (128, 64, 8, 3) if wide else (128, 64, 4, 3)
+
+
+def _whole(value, name: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}.")
+
+
+def _check_arguments(q_near, q_far, k_near, k_far, value, first_distance, window, max_distance, block_sizes) -> None:
+    """One-line errors for what the kernel would otherwise fail on deep inside Triton (or get wrong)."""
+    named = {"q_near": q_near, "q_far": q_far, "k_near": k_near, "k_far": k_far, "value": value}
+    for name, tensor in named.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, heads, tokens, head size), got "
+                             f"{tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__}.")
+        if tensor.dtype != q_near.dtype or tensor.device != q_near.device:
+            raise ValueError(f"{name} is {tensor.dtype} on {tensor.device}, q_near {q_near.dtype} on {q_near.device}; "
+                             "pass all five in one dtype on one device.")
+    if q_near.dtype not in DTYPES:
+        raise ValueError(f"the kernel takes {', '.join(map(str, DTYPES))}, got {q_near.dtype}.")
+    if q_near.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"the kernel runs on CUDA (or on the CPU under TRITON_INTERPRET=1), got tensors on {q_near.device}.")
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in named.values()):
+        raise ValueError("the kernel has no backward; call it under torch.no_grad() or use "
+                         "hf_rope_ext.attention.remapped_attention, which is differentiable.")
+    batch, heads, rows, head_dim = q_near.shape
+    key_heads = k_near.shape[1]
+    if q_far.shape != q_near.shape or k_far.shape != k_near.shape or value.shape != k_near.shape:
+        raise ValueError("q_near/q_far and k_near/k_far/value must have matching shapes.")
+    if (head_dim not in HEAD_DIMS or key_heads == 0 or heads % key_heads or k_near.shape[0] != batch
+            or k_near.shape[-1] != head_dim):
+        raise ValueError(f"unsupported shapes: queries {tuple(q_near.shape)}, keys {tuple(k_near.shape)} "
+                         f"(head size one of {HEAD_DIMS}, query heads a multiple of key heads).")
+    _whole(first_distance, "first_distance", 0)
+    _whole(window, "window", 1)
+    if max_distance is not None:
+        _whole(max_distance, "max_distance", window)
+    if block_sizes is not None:
+        if len(block_sizes) not in (2, 4) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in block_sizes):
+            raise ValueError(f"block_sizes must be (BLOCK_M, BLOCK_N) or (BLOCK_M, BLOCK_N, num_warps, num_stages), "
+                             f"whole numbers, got {block_sizes!r}.")
+        if any(b < 16 or b & (b - 1) for b in block_sizes[:2]):
+            raise ValueError(f"BLOCK_M and BLOCK_N must be powers of two >= 16 (Triton's matrix products), got {block_sizes[:2]}.")
 
 
 def two_regime_attention(
@@ -193,21 +252,15 @@ def two_regime_attention(
         max_distance: keys farther than this are not read (a sliding window), or None.
         block_sizes: ``(BLOCK_M, BLOCK_N[, num_warps, num_stages])`` instead of the defaults (tests
             under the interpreter, tuning).
+
+    Forward only (no gradient). A row with no key in reach (keys that all lie after it, or beyond
+    ``max_distance``) gets zeros, as the partial-softmax path gives an empty row.
     """
     if triton is None:
         raise RuntimeError("two_regime_attention needs Triton (installed with PyTorch's CUDA wheels).")
+    _check_arguments(q_near, q_far, k_near, k_far, value, first_distance, window, max_distance, block_sizes)
     batch, heads, rows, head_dim = q_near.shape
     key_heads, keys = k_near.shape[1], k_near.shape[2]
-    if q_far.shape != q_near.shape or k_far.shape != k_near.shape or value.shape != k_near.shape:
-        raise ValueError("q_near/q_far and k_near/k_far/value must have matching shapes.")
-    if head_dim not in HEAD_DIMS or heads % key_heads or k_near.shape[0] != batch or k_near.shape[-1] != head_dim:
-        raise ValueError(f"unsupported shapes: queries {tuple(q_near.shape)}, keys {tuple(k_near.shape)} "
-                         f"(head size one of {HEAD_DIMS}, query heads a multiple of key heads).")
-    if window < 1 or first_distance < 0:
-        raise ValueError(f"window must be >= 1 and first_distance >= 0, got {window} and {first_distance}.")
-    if max_distance is not None and max_distance < window:
-        raise ValueError(f"max_distance ({max_distance}) below window ({window}) leaves no far keys; "
-                         "use plain attention with that window instead.")
     tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (q_near, q_far, k_near, k_far, value)]
     q_near, q_far, k_near, k_far, value = tensors
     output = torch.empty(batch, heads, rows, head_dim, dtype=q_near.dtype, device=q_near.device)
@@ -220,13 +273,16 @@ def two_regime_attention(
     # "no window": a distance no pair reaches, kept inside int32
     limit = int(max_distance) if windowed else first_distance + rows + 1
     grid = (triton.cdiv(rows, block_m), batch * heads)
-    _two_regime_kernel[grid](
-        q_near, q_far, k_near, k_far, value, output,
-        *q_near.stride()[:3], *q_far.stride()[:3], *k_near.stride()[:3], *k_far.stride()[:3], *value.stride()[:3],
-        *output.stride()[:3],
-        heads, heads // key_heads, rows, keys,
-        int(first_distance), int(window), limit, float(scaling) * _LOG2_E,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WINDOWED=windowed,
-        PRECISION="ieee" if q_near.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
-    )
+    # Triton launches on the current CUDA device: a model spread over several GPUs has this
+    # layer's tensors on another one
+    with torch.cuda.device(q_near.device) if q_near.device.type == "cuda" else contextlib.nullcontext():
+        _two_regime_kernel[grid](
+            q_near, q_far, k_near, k_far, value, output,
+            *q_near.stride()[:3], *q_far.stride()[:3], *k_near.stride()[:3], *k_far.stride()[:3], *value.stride()[:3],
+            *output.stride()[:3],
+            heads, heads // key_heads, rows, keys,
+            int(first_distance), int(window), limit, float(scaling) * _LOG2_E,
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WINDOWED=windowed,
+            PRECISION="ieee" if q_near.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        )
     return output

@@ -426,6 +426,27 @@ def test_position_memos_see_in_place_changes():
     assert tables.positions_of_call(query, positions, 1).q_lo == 40
 
 
+def test_a_layer_called_alone_under_inference_mode_sees_positions_changed_in_place():
+    """Inference tensors keep no version counter: outside a forward of the patched model (a layer
+    called on its own), the memos must not reuse what they computed for the same tensor."""
+
+    def layer(model, hidden, positions):
+        return model.model.layers[0](hidden, attention_mask=None, position_ids=positions,
+                                     position_embeddings=model.model.rotary_emb(hidden, positions))
+
+    model, fresh = (make_model("llama", attn_implementation="sdpa") for _ in range(2))
+    for each in (model, fresh):
+        patch_model(each, scale=4, method="self-extend", neighbor_window=8)
+    hidden = torch.randn(1, 60, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        positions = torch.arange(60)[None]
+        layer(model, hidden, positions)
+        positions += 40  # the same buffer, positions 40 ... 99
+        actual = layer(model, hidden, positions)
+        expected = layer(fresh, hidden, torch.arange(40, 100)[None])
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+
+
 def _generation_matches_full_forward(model, ids, attention_mask=None, **kwargs):
     out = model.generate(
         # min_new_tokens: the sequence reaches the planned length, whose frequencies a length-dependent

@@ -70,17 +70,42 @@ def test_kernel_matches_a_float64_softmax_of_the_two_regimes(shape, dtype):
     torch.testing.assert_close(actual.double().cpu(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_kernel_refuses_bad_arguments():
-    q, k = torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16)
-    with pytest.raises(ValueError, match="head size"):
-        fused_attention.two_regime_attention(q[..., :12], q[..., :12], k[..., :12], k[..., :12], k[..., :12],
-                                             first_distance=0, window=2, scaling=1.0)
-    with pytest.raises(ValueError, match="window must be >= 1"):
-        fused_attention.two_regime_attention(q, q, k, k, k, first_distance=0, window=0, scaling=1.0)
-    with pytest.raises(ValueError, match="leaves no far keys"):
-        fused_attention.two_regime_attention(q, q, k, k, k, first_distance=0, window=4, scaling=1.0, max_distance=3)
-    with pytest.raises(ValueError, match="matching shapes"):
-        fused_attention.two_regime_attention(q, q[:, :1], k, k, k, first_distance=0, window=2, scaling=1.0)
+def _bad_call(**changes):
+    q, k = torch.zeros(1, 2, 8, 16, device=DEVICE), torch.zeros(1, 2, 8, 16, device=DEVICE)
+    arguments = dict(q_near=q, q_far=q, k_near=k, k_far=k, value=k, first_distance=0, window=2, scaling=1.0)
+    arguments.update(changes)
+    return fused_attention.two_regime_attention(**arguments)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(q_near=torch.zeros(2, 8, 16)), "q_near must be a 4-D tensor"),
+    (dict(value=torch.zeros(1, 2, 8, 16, dtype=torch.float16)), "pass all five in one dtype"),
+    ({name: torch.zeros(1, 2, 8, 16, dtype=torch.int64) for name in ("q_near", "q_far", "k_near", "k_far", "value")},
+     "the kernel takes"),
+    (dict(q_near=torch.zeros(1, 2, 8, 12), q_far=torch.zeros(1, 2, 8, 12)), "head size one of"),
+    ({name: torch.zeros(1, 0, 8, 16) for name in ("k_near", "k_far", "value")}, "query heads a multiple of key heads"),
+    (dict(q_far=torch.zeros(1, 1, 8, 16)), "matching shapes"),
+    (dict(window=0), "window must be a whole number >= 1"),
+    (dict(window=2.5), "window must be a whole number"),
+    (dict(first_distance=1.5), "first_distance must be a whole number"),
+    (dict(max_distance=1), "max_distance must be a whole number >= 2"),
+    (dict(max_distance=math.inf), "max_distance must be a whole number"),
+    (dict(block_sizes=(24, 16)), "powers of two >= 16"),
+    (dict(block_sizes=(16,)), "block_sizes must be"),
+    (dict(q_near=torch.zeros(1, 2, 8, 16, requires_grad=True)), "no backward"),
+])  # fmt: skip
+def test_kernel_refuses_bad_arguments_in_one_line(changes, message):
+    changes = {name: value.detach().to(DEVICE).requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor)
+               else value for name, value in changes.items()}
+    with pytest.raises(ValueError, match=message):
+        _bad_call(**changes)
+
+
+def test_kernel_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        _bad_call(q_near=torch.zeros(1, 2, 8, 16), q_far=torch.zeros(1, 2, 8, 16), k_near=torch.zeros(1, 2, 8, 16),
+                  k_far=torch.zeros(1, 2, 8, 16), value=torch.zeros(1, 2, 8, 16))
 
 
 @pytest.fixture
@@ -186,3 +211,22 @@ def test_a_kernel_failure_falls_back_once_with_a_warning(monkeypatch, caplog):
     assert attention_level._TWO_REGIME_FAILED
     assert sum("two-regime attention kernel failed" in r.message for r in caplog.records) == 1
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("value, runs", [("0", False), ("off", False), (" False ", False), ("no", False), ("1", True),
+                                         ("on", True), ("YES", True)])
+def test_the_switch_reads_the_usual_spellings(value, runs, kernel_calls, monkeypatch):
+    monkeypatch.setenv(attention_level.TWO_REGIME_SWITCH, value)
+    model = make_model("llama", attn_implementation="sdpa").to(DEVICE)
+    patch_model(model, scale=4, method="self-extend", group_size=6, neighbor_window=8)
+    with torch.no_grad():
+        model(random_ids(LENGTH).to(DEVICE))
+    assert bool(kernel_calls) == runs
+
+
+def test_a_switch_value_it_does_not_know_is_refused(monkeypatch):
+    monkeypatch.setenv(attention_level.TWO_REGIME_SWITCH, "maybe")
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method="self-extend", group_size=6, neighbor_window=8)
+    with torch.no_grad(), pytest.raises(ValueError, match="HF_ROPE_EXT_TWO_REGIME_KERNEL='maybe' is not understood"):
+        model(random_ids(LENGTH))
