@@ -45,6 +45,7 @@ import inspect
 import logging
 import math
 import os
+import threading
 import uuid
 import weakref
 from dataclasses import dataclass, field, fields, replace
@@ -82,6 +83,8 @@ _FUSED_CUDA_FAILED = False
 # score matrix at all, so a chunk is only cut where the regimes change; wide chunks keep the
 # GPU's multiprocessors busy (row blocks x heads programs per launch).
 QUERY_CHUNK_TWO_REGIME = 16384
+# Guards the count of forwards under way of each patched model (AttentionPatch.forward_depths).
+_FORWARD_LOCK = threading.Lock()
 # Set once the two-regime kernel fails to compile or run (then the partial-softmax path runs).
 _TWO_REGIME_FAILED = False
 # HF_ROPE_EXT_TWO_REGIME_KERNEL=0 turns the kernel off (the partial-softmax path computes the same).
@@ -548,16 +551,17 @@ class _HostPositions:
 
 
 def _version(tensor: torch.Tensor) -> int | None:
-    """The in-place modification counter of ``tensor`` (None for inference tensors, which keep none:
-    the memos reuse those only inside one forward of the patched model, see ``within_forward``)."""
+    """The in-place modification counter of ``tensor`` (None for inference tensors, which keep none)."""
     return None if tensor.is_inference() else tensor._version
 
 
 def _reusable(stamp: tuple, known: tuple, within_forward: bool) -> bool:
     """Whether memo facts stamped ``known`` serve a call stamped ``stamp`` (same tensors assumed):
-    the same version counters, and for inference tensors (no counter: an in-place change cannot be
-    seen) only inside one forward of the patched model, whose hooks clear the memos around it."""
-    return stamp == known and (within_forward or None not in stamp)
+    only inside one forward of the patched model, whose hooks clear the memos around it, and with
+    the same version counters. Layers called on their own recompute every time: a tensor can
+    change without a version counter to show it (inference tensors, writes through ``.data`` or a
+    shared numpy array)."""
+    return within_forward and stamp == known
 
 
 class KeyRotationTables:
@@ -1215,25 +1219,15 @@ class _Geometry:
 
 
 @dataclass
-class _PositionMemo:
-    """Facts about one ``position_ids`` tensor that every decoder layer of a forward receives.
+class _PositionFacts:
+    """What the layers read of one ``position_ids`` tensor: its largest position and the key
+    positions derived from it (per cache geometry). One object per tensor, never changed to serve
+    another (a forward run inside another, by a hook, keeps the outer one's)."""
 
-    Its largest position and the key positions derived from it read device values (a wait for
-    the device on a GPU, at every layer); they are computed once while the same tensor, unmodified,
-    comes back. The tensor is held, so its identity cannot pass to another one."""
-
-    source: torch.Tensor | None = None
-    stamp: tuple = ()
-    max_position: int = 0
-    keys: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
-    within_forward: bool = False  # set by the patch's hooks around each forward of its model
-
-    def of(self, position_ids: torch.Tensor) -> _PositionMemo:
-        stamp = (_version(position_ids), torch.is_inference_mode_enabled())
-        if position_ids is not self.source or not _reusable(stamp, self.stamp, self.within_forward):
-            self.source, self.stamp, self.keys = position_ids, stamp, {}
-            self.max_position = int(position_ids.max())
-        return self
+    def __init__(self, source: torch.Tensor, stamp: tuple):
+        self.source, self.stamp = source, stamp
+        self.max_position = int(source.max())
+        self.keys: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def key_positions(self, query_slot: int, key_offset: int, key_len: int) -> torch.Tensor:
         where = (query_slot, key_offset, key_len)
@@ -1241,8 +1235,27 @@ class _PositionMemo:
             self.keys[where] = _key_positions(self.source, query_slot, key_offset, key_len)
         return self.keys[where]
 
+
+@dataclass
+class _PositionMemo:
+    """The :class:`_PositionFacts` of the ``position_ids`` tensor every decoder layer of a forward receives.
+
+    Its largest position and the key positions derived from it read device values (a wait for
+    the device on a GPU, at every layer); they are computed once while the same tensor, unmodified,
+    comes back. The tensor is held, so its identity cannot pass to another one."""
+
+    current: _PositionFacts | None = None
+    within_forward: bool = False  # set by the patch's hooks around each forward of its model
+
+    def of(self, position_ids: torch.Tensor) -> _PositionFacts:
+        stamp = (_version(position_ids), torch.is_inference_mode_enabled())
+        facts = self.current
+        if facts is None or position_ids is not facts.source or not _reusable(stamp, facts.stamp, self.within_forward):
+            facts = self.current = _PositionFacts(position_ids, stamp)
+        return facts
+
     def clear(self) -> None:
-        self.source, self.stamp, self.keys, self.within_forward = None, (), {}, False
+        self.current, self.within_forward = None, False
 
 
 @dataclass
@@ -1267,6 +1280,9 @@ class AttentionPatch:
     key_rotations_below_settle: KeyRotationTables = field(default_factory=KeyRotationTables)
     positions_memo: _PositionMemo = field(default_factory=_PositionMemo)
     warned_no_weights: bool = False
+    # forwards of the patched model under way, per thread (a hook may run one inside another);
+    # another thread's forward meanwhile is refused: the state above belongs to one forward
+    forward_depths: dict[int, int] = field(default_factory=dict)
     hooks: list = field(default_factory=list)  # the model's forward hooks (before_forward, after_forward)
     # the caches this patch filled, and where it left each (tokens, each row's last position)
     filled: FilledCaches = field(default_factory=FilledCaches)
@@ -1410,8 +1426,8 @@ class AttentionPatch:
         :func:`_key_positions`): a call that continues a cache with positions that jump is
         refused, not computed with wrong distances.
         """
+        self._start_forward()
         self.geometry.clear()
-        self._forward_boundary(starting=True)
         name, cache, positions = _cache_and_positions(module, args, kwargs)
         if cache is None:
             return
@@ -1441,8 +1457,35 @@ class AttentionPatch:
         # Without position ids the model took them from the cache: contiguous, nothing to check later.
         self.filled.record(cache, None if positions is None else positions[:, -1].detach().clone())
 
+    def _start_forward(self) -> None:
+        """Count this thread's forward in; refuse it while another thread runs one of this model."""
+        me = threading.get_ident()
+        with _FORWARD_LOCK:
+            if any(depth and thread != me for thread, depth in self.forward_depths.items()):
+                raise RuntimeError(
+                    "this patched model is running a forward on another thread, and its per-forward state (cache "
+                    "geometry, key tables, position memos) belongs to one forward: give each thread its own copy "
+                    "(copy.deepcopy(model) patches the copy), or, if no other forward runs (one was interrupted), "
+                    "unpatch_model and patch_model again."
+                )
+            self.forward_depths[me] = self.forward_depths.get(me, 0) + 1
+        # a forward run inside another (by a hook) clears the outer one's memos too: it recomputes them
+        self._forward_boundary(starting=True)
+
     def end_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """Forward hook of the model that runs even when the forward raised: the memos' forward is over."""
+        """Forward hook of the model that runs even when the forward raised an exception: the
+        memos' forward is over. (An interrupt, ``KeyboardInterrupt``, skips such hooks: the thread's
+        count stays up, which refuses other threads until ``unpatch_model``, and the memos stay on
+        for layers called on their own until the next forward of the model.)"""
+        me = threading.get_ident()
+        with _FORWARD_LOCK:
+            depth = self.forward_depths.get(me, 0)
+            if depth == 0:  # its start was refused
+                return
+            if depth > 1:
+                self.forward_depths[me] = depth - 1
+                return
+            del self.forward_depths[me]
         self._forward_boundary(starting=False)
 
     def _forward_boundary(self, starting: bool) -> None:
@@ -1726,3 +1769,4 @@ def uninstall(patch: AttentionPatch) -> None:
     patch.key_rotations.clear()
     patch.key_rotations_below_settle.clear()
     patch.positions_memo.clear()
+    patch.forward_depths.clear()

@@ -83,6 +83,10 @@ def main() -> None:
     parser.add_argument("--count-tiles", action="store_true",
                         help="time nothing: count the kernel calls one call makes with CUDA's query chunks (any device)")
     args = parser.parse_args()
+    try:
+        attention._two_regime_switched_on()  # a bad HF_ROPE_EXT_TWO_REGIME_KERNEL fails here, in one line
+    except ValueError as error:
+        parser.error(str(error))
     original = 8192
     if args.tokens <= original or args.repeats < 1:
         parser.error(f"--tokens must exceed the original context {original} and --repeats be >= 1")

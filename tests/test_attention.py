@@ -408,27 +408,36 @@ def test_layers_of_one_forward_read_the_positions_once(monkeypatch):
 
 
 def test_position_memos_see_in_place_changes():
-    """Without the forward hooks (layers called on their own), the memos still recompute for a
-    tensor changed in place: they check its version counter, not only its identity."""
+    """Outside a forward of the patched model (layers called on their own) the memos recompute
+    every time; inside one they check the tensor's version counter, not only its identity."""
     positions = torch.arange(40)[None]
     memo = attention_level._PositionMemo()
-    assert memo.of(positions).max_position == 39
-    keys = memo.key_positions(0, 0, 40)
-    assert memo.key_positions(0, 0, 40) is keys
+    assert memo.of(positions) is not memo.of(positions)  # outside a forward: computed every time
+    memo.within_forward = True  # as the patch's hooks set it during a forward
+    facts = memo.of(positions)
+    assert facts.max_position == 39 and memo.of(positions) is facts
+    keys = facts.key_positions(0, 0, 40)
+    assert facts.key_positions(0, 0, 40) is keys
     positions.add_(10)
-    assert memo.of(positions).max_position == 49
-    assert torch.equal(memo.key_positions(0, 0, 40), torch.arange(10, 50)[None])
+    changed = memo.of(positions)
+    assert changed.max_position == 49
+    assert torch.equal(changed.key_positions(0, 0, 40), torch.arange(10, 50)[None])
+    assert facts.max_position == 39  # what an earlier holder (another forward) reads is left alone
     tables = attention_level.KeyRotationTables()
     query = torch.arange(30, 40)[None]
+    assert tables.positions_of_call(query, positions, 1) is not tables.positions_of_call(query, positions, 1)
+    tables.within_forward = True
     facts = tables.positions_of_call(query, positions, 1)
     assert tables.positions_of_call(query, positions, 1) is facts
     query.add_(10)
     assert tables.positions_of_call(query, positions, 1).q_lo == 40
 
 
-def test_a_layer_called_alone_under_inference_mode_sees_positions_changed_in_place():
-    """Inference tensors keep no version counter: outside a forward of the patched model (a layer
-    called on its own), the memos must not reuse what they computed for the same tensor."""
+@pytest.mark.parametrize("how", ["inference_mode", ".data"])
+def test_a_layer_called_alone_under_inference_mode_sees_positions_changed_in_place(how):
+    """Inference tensors keep no version counter, and writes through ``.data`` do not count:
+    outside a forward of the patched model (a layer called on its own), the memos must not reuse
+    what they computed for the same tensor."""
 
     def layer(model, hidden, positions):
         return model.model.layers[0](hidden, attention_mask=None, position_ids=positions,
@@ -438,10 +447,13 @@ def test_a_layer_called_alone_under_inference_mode_sees_positions_changed_in_pla
     for each in (model, fresh):
         patch_model(each, scale=4, method="self-extend", neighbor_window=8)
     hidden = torch.randn(1, 60, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
+    with torch.inference_mode() if how == "inference_mode" else torch.no_grad():
         positions = torch.arange(60)[None]
         layer(model, hidden, positions)
-        positions += 40  # the same buffer, positions 40 ... 99
+        if how == ".data":
+            positions.data.add_(40)
+        else:
+            positions += 40  # the same buffer, positions 40 ... 99
         actual = layer(model, hidden, positions)
         expected = layer(fresh, hidden, torch.arange(40, 100)[None])
     torch.testing.assert_close(actual, expected, atol=0, rtol=0)
@@ -1405,3 +1417,45 @@ def test_continuing_a_cache_after_its_rows_moved_matches_full_forward(method, op
         step = model(sequence[:, 40:], attention_mask=full_mask, position_ids=positions[:, 40:], past_key_values=cache).logits
         full = model(sequence, attention_mask=full_mask, position_ids=positions, use_cache=False).logits[:, 40:]
     torch.testing.assert_close(step, full, atol=5e-5, rtol=1e-4)
+
+
+def test_a_forward_on_another_thread_meanwhile_is_refused():
+    """The per-forward state of an attention-level patch belongs to one forward: a second thread
+    starting a forward while one runs is refused in one line (it computed wrong logits before),
+    and the first forward's result is untouched; after it, the other thread may run."""
+    import threading
+
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method="self-extend", neighbor_window=8)
+    ids = random_ids(LENGTH)
+    with torch.no_grad():
+        expected = model(ids).logits
+    inside, release, outcome = threading.Event(), threading.Event(), {}
+
+    def hold(module, args, kwargs):  # the first forward waits half way for the second thread's attempt
+        inside.set()
+        release.wait(timeout=30)
+
+    handle = model.model.layers[1].register_forward_pre_hook(hold, with_kwargs=True)
+
+    def first():
+        with torch.no_grad():
+            outcome["first"] = model(ids).logits
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert inside.wait(timeout=30)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="running a forward on another thread"):
+            model(ids)
+    finally:
+        release.set()
+        thread.join()
+        handle.remove()
+    # (another thread may split reductions over its own intra-op threads: not bitwise)
+    torch.testing.assert_close(outcome["first"], expected, atol=1e-5, rtol=1e-5)
+    other = {}
+    worker = threading.Thread(target=lambda: other.setdefault("logits", model(ids).logits.detach()))
+    worker.start()
+    worker.join()
+    torch.testing.assert_close(other["logits"], expected, atol=1e-5, rtol=1e-5)
