@@ -1293,8 +1293,14 @@ class AttentionPatch:
         # fail once the original is unpatched.
         copied = object.__new__(type(self))
         memo[id(self)] = copied
+        # The copy starts with no forward under way: the original's count and per-forward state
+        # (made while one of its forwards ran, or left by an interrupted one) are not the copy's.
+        fresh = {"forward_depths": {}, "geometry": {}, "positions_memo": _PositionMemo()}
         for item in fields(self):  # the caches the original filled are not the copy's (see FilledCaches)
-            setattr(copied, item.name, copy.deepcopy(getattr(self, item.name), memo))
+            value = fresh[item.name] if item.name in fresh else copy.deepcopy(getattr(self, item.name), memo)
+            setattr(copied, item.name, value)
+        for tables in (copied.key_rotations, copied.key_rotations_below_settle):
+            tables.last_call, tables.within_forward = None, False
         copied.name = _registry_name(self.original_implementation)
         _register(copied)
         if getattr(copied.config, "_attn_implementation", None) == self.name:
@@ -1476,7 +1482,7 @@ class AttentionPatch:
         """Forward hook of the model that runs even when the forward raised an exception: the
         memos' forward is over. (An interrupt, ``KeyboardInterrupt``, skips such hooks: the thread's
         count stays up, which refuses other threads until ``unpatch_model``, and the memos stay on
-        for layers called on their own until the next forward of the model.)"""
+        for layers called on their own until the next forward of the model ends.)"""
         me = threading.get_ident()
         with _FORWARD_LOCK:
             depth = self.forward_depths.get(me, 0)
@@ -1484,8 +1490,11 @@ class AttentionPatch:
                 return
             if depth > 1:
                 self.forward_depths[me] = depth - 1
-                return
-            del self.forward_depths[me]
+            else:
+                del self.forward_depths[me]
+        # memos off after every forward, an inner one (run by a hook) too: the outer one then
+        # recomputes its remaining layers' positions, and a count left up by an interrupted
+        # forward cannot keep them on
         self._forward_boundary(starting=False)
 
     def _forward_boundary(self, starting: bool) -> None:

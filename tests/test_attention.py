@@ -1459,3 +1459,44 @@ def test_a_forward_on_another_thread_meanwhile_is_refused():
     worker.start()
     worker.join()
     torch.testing.assert_close(other["logits"], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_an_interrupted_forward_leaves_no_memo_on_after_the_next_one_and_copies_start_fresh():
+    """Ctrl-C skips PyTorch's always-call hooks, so the interrupted forward stays counted: the next
+    complete forward must still switch the memos off at its end (a layer called alone then sees a
+    buffer changed in place), and a copy of the model must not inherit the count (it would refuse
+    every other thread)."""
+    import copy
+    import threading
+
+    def layer(model, hidden, positions):
+        return model.model.layers[0](hidden, attention_mask=None, position_ids=positions,
+                                     position_embeddings=model.model.rotary_emb(hidden, positions))
+
+    def interrupt(module, args, kwargs):
+        raise KeyboardInterrupt
+
+    model, fresh = (make_model("llama", attn_implementation="sdpa") for _ in range(2))
+    for each in (model, fresh):
+        patch_model(each, scale=4, method="self-extend", neighbor_window=8)
+    ids = random_ids(60)
+    handle = model.model.layers[1].register_forward_pre_hook(interrupt, with_kwargs=True)
+    with pytest.raises(KeyboardInterrupt):
+        model(ids)
+    handle.remove()
+    with torch.no_grad():
+        model(ids)
+    hidden = torch.randn(1, 60, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        positions = torch.arange(60)[None]
+        layer(model, hidden, positions)
+        positions += 40
+        torch.testing.assert_close(layer(model, hidden, positions), layer(fresh, hidden, torch.arange(40, 100)[None]),
+                                   atol=0, rtol=0)
+    copied = copy.deepcopy(model)
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.setdefault("logits", copied(ids).logits.detach()))
+    worker.start()
+    worker.join()
+    with torch.no_grad():
+        torch.testing.assert_close(outcome["logits"], fresh(ids).logits, atol=1e-5, rtol=1e-5)
