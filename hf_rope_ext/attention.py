@@ -1283,6 +1283,11 @@ class AttentionPatch:
     # forwards of the patched model under way, per thread (a hook may run one inside another);
     # another thread's forward meanwhile is refused: the state above belongs to one forward
     forward_depths: dict[int, int] = field(default_factory=dict)
+    # The object whose ``current_length`` each forward of the model sets (the rotary module, read
+    # by remap_applies), and its value saved as each forward started: a forward run inside another
+    # (by a hook) would otherwise leave its own length to the outer one's remaining layers.
+    forward_state: Any = None
+    saved_lengths: list = field(default_factory=list)
     hooks: list = field(default_factory=list)  # the model's forward hooks (before_forward, after_forward)
     # the caches this patch filled, and where it left each (tokens, each row's last position)
     filled: FilledCaches = field(default_factory=FilledCaches)
@@ -1295,7 +1300,7 @@ class AttentionPatch:
         memo[id(self)] = copied
         # The copy starts with no forward under way: the original's count and per-forward state
         # (made while one of its forwards ran, or left by an interrupted one) are not the copy's.
-        fresh = {"forward_depths": {}, "geometry": {}, "positions_memo": _PositionMemo()}
+        fresh = {"forward_depths": {}, "geometry": {}, "positions_memo": _PositionMemo(), "saved_lengths": []}
         for item in fields(self):  # the caches the original filled are not the copy's (see FilledCaches)
             value = fresh[item.name] if item.name in fresh else copy.deepcopy(getattr(self, item.name), memo)
             setattr(copied, item.name, value)
@@ -1475,6 +1480,7 @@ class AttentionPatch:
                     "unpatch_model and patch_model again."
                 )
             self.forward_depths[me] = self.forward_depths.get(me, 0) + 1
+            self.saved_lengths.append(getattr(self.forward_state, "current_length", None))
         # a forward run inside another (by a hook) clears the outer one's memos too: it recomputes them
         self._forward_boundary(starting=True)
 
@@ -1488,8 +1494,11 @@ class AttentionPatch:
             depth = self.forward_depths.get(me, 0)
             if depth == 0:  # its start was refused
                 return
+            saved = self.saved_lengths.pop() if self.saved_lengths else None
             if depth > 1:
                 self.forward_depths[me] = depth - 1
+                if self.forward_state is not None:  # the enclosing forward goes on at its own length
+                    self.forward_state.current_length = saved
             else:
                 del self.forward_depths[me]
         # memos off after every forward, an inner one (run by a hook) too: the outer one then
@@ -1683,13 +1692,15 @@ def install(
     inv_freq_below_settle: torch.Tensor | None = None,
     model: nn.Module | None = None,
     method: str | None = None,
+    forward_state: Any = None,
 ) -> AttentionPatch:
     """Route this model's attention through :meth:`AttentionPatch.attention`; see the module docstring.
 
     ``inv_freq`` are the frequencies the queries and keys are rotated with whenever the remap
     applies (``remap_applies()``, default always); otherwise ``remap_below_settle`` (if given)
     applies, with ``inv_freq_below_settle``. ``method``: the patch's name, for the refusal of a
-    cache filled without it."""
+    cache filled without it. ``forward_state``: the object whose ``current_length`` each forward
+    sets (the rotary module), kept for a forward that another one, run inside it, interrupts."""
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation not in SUPPORTED_IMPLEMENTATIONS:
         raise ValueError(
@@ -1708,6 +1719,7 @@ def install(
         remap_below_settle=remap_below_settle,
         inv_freq_below_settle=None if inv_freq_below_settle is None else inv_freq_below_settle.detach().to(torch.float64).cpu(),
         filled=FilledCaches(method),
+        forward_state=forward_state,
     )
     if model is not None:  # bound methods, so that copy.deepcopy binds the copy's hooks to the copy's patch
         patch.hooks.append(model.register_forward_pre_hook(patch.before_forward, with_kwargs=True))

@@ -433,6 +433,7 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec, restoring: bool
                 inv_freq_below_settle=None if remap_below_settle is None else rotary.frequencies(settled)[0],
                 model=caller,
                 method=rope_method.name,
+                forward_state=rotary,
             )
     except Exception:
         if rotary.cache_guard is not None:

@@ -1500,3 +1500,30 @@ def test_an_interrupted_forward_leaves_no_memo_on_after_the_next_one_and_copies_
     worker.join()
     with torch.no_grad():
         torch.testing.assert_close(outcome["logits"], fresh(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["self-extend-dca", "dynamic-yarn-dca", "self-extend"])
+def test_a_forward_run_inside_another_leaves_the_outer_one_its_own_length(method):
+    """A hook that runs the model during its forward: methods that switch at a settle length
+    read the current forward's length in every layer, and the inner forward's must not reach the
+    outer forward's remaining layers (the outer logits equal a plain forward's)."""
+    model, fresh = (make_model("llama", attn_implementation="sdpa") for _ in range(2))
+    for each in (model, fresh):
+        patch_model(each, scale=4, method=method)
+    outer, inner = random_ids(80), random_ids(20, seed=2)  # beyond and below the settle length 2 x L0
+    calls = []
+
+    def run_inside(module, args, kwargs):
+        if not calls:  # once: the inner forward passes this layer too
+            calls.append(None)
+            calls[0] = model(inner).logits
+
+    handle = model.model.layers[1].register_forward_pre_hook(run_inside, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            actual = model(outer).logits
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        torch.testing.assert_close(actual, fresh(outer).logits, atol=0, rtol=0)
+        torch.testing.assert_close(calls[0], fresh(inner).logits, atol=0, rtol=0)
