@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import operator
 import os
 
 import torch
@@ -185,9 +186,15 @@ def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return (128, 64, 8, 3) if wide else (128, 64, 4, 3)
 
 
-def _whole(value, name: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _whole(value, name: str, minimum: int) -> int:
+    """``value`` as an int (numpy and torch integers too), or a one-line refusal."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
         raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}.")
+    return number
 
 
 def _check_arguments(q_near, q_far, k_near, k_far, value, first_distance, window, max_distance, block_sizes) -> None:
@@ -259,6 +266,8 @@ def two_regime_attention(
     if triton is None:
         raise RuntimeError("two_regime_attention needs Triton (installed with PyTorch's CUDA wheels).")
     _check_arguments(q_near, q_far, k_near, k_far, value, first_distance, window, max_distance, block_sizes)
+    first_distance, window = operator.index(first_distance), operator.index(window)
+    max_distance = None if max_distance is None else operator.index(max_distance)
     batch, heads, rows, head_dim = q_near.shape
     key_heads, keys = k_near.shape[1], k_near.shape[2]
     tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (q_near, q_far, k_near, k_far, value)]
@@ -271,7 +280,7 @@ def two_regime_attention(
         block_m, block_n, warps, stages = (*block_sizes, warps, stages)[:4]
     windowed = max_distance is not None
     # "no window": a distance no pair reaches, kept inside int32
-    limit = int(max_distance) if windowed else first_distance + rows + 1
+    limit = max_distance if windowed else first_distance + rows + 1
     grid = (triton.cdiv(rows, block_m), batch * heads)
     # Triton launches on the current CUDA device: a model spread over several GPUs has this
     # layer's tensors on another one
@@ -281,7 +290,7 @@ def two_regime_attention(
             *q_near.stride()[:3], *q_far.stride()[:3], *k_near.stride()[:3], *k_far.stride()[:3], *value.stride()[:3],
             *output.stride()[:3],
             heads, heads // key_heads, rows, keys,
-            int(first_distance), int(window), limit, float(scaling) * _LOG2_E,
+            first_distance, window, limit, float(scaling) * _LOG2_E,
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WINDOWED=windowed,
             PRECISION="ieee" if q_near.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
         )

@@ -101,6 +101,22 @@ def test_kernel_refuses_bad_arguments_in_one_line(changes, message):
         _bad_call(**changes)
 
 
+def test_kernel_takes_numpy_and_torch_integers():
+    import numpy as np
+
+    batch, heads, key_heads, rows, keys, first, window, max_distance = SHAPES["sliding window"]
+    generator = torch.Generator().manual_seed(0)
+    q_near, q_far = (torch.randn(batch, heads, rows, 16, generator=generator) for _ in range(2))
+    k_near, k_far, value = (torch.randn(batch, key_heads, keys, 16, generator=generator) for _ in range(3))
+    expected = two_regime_reference(q_near, q_far, k_near, k_far, value, first, window, 0.3, max_distance)
+    tensors = [x.to(DEVICE) for x in (q_near, q_far, k_near, k_far, value)]
+    actual = fused_attention.two_regime_attention(
+        *tensors, first_distance=np.int64(first), window=torch.tensor(window), scaling=np.float32(0.3),
+        max_distance=np.int32(max_distance), block_sizes=BLOCKS,
+    )
+    torch.testing.assert_close(actual.double().cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="runs on CUDA"):
