@@ -57,6 +57,18 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _online_softmax_step(scores, v, running_max, running_sum, acc, PRECISION: tl.constexpr):
+        """Fold one key block (log2-scaled ``scores``, ``v``) into the running maximum, sum and
+        output: FlashAttention-2's rescaling; a row with every score -inf so far stays at zero."""
+        block_max = tl.maximum(running_max, tl.max(scores, 1))
+        safe_max = tl.where(block_max == float("-inf"), 0.0, block_max)
+        p = tl.math.exp2(scores - safe_max[:, None])
+        alpha = tl.math.exp2(running_max - safe_max)
+        running_sum = running_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return block_max, running_sum, acc
+
+    @triton.jit
     def _two_regime_kernel(
         q_near_ptr, q_far_ptr, k_near_ptr, k_far_ptr, v_ptr, out_ptr,
         stride_qb, stride_qh, stride_qm,
@@ -120,13 +132,7 @@ if triton is not None:
             if WINDOWED:
                 distance = first_distance + offs_m[:, None] - cols[None, :]
                 scores = tl.where(distance <= max_distance, scores, float("-inf"))
-            block_max = tl.maximum(running_max, tl.max(scores, 1))
-            safe_max = tl.where(block_max == float("-inf"), 0.0, block_max)
-            p = tl.math.exp2(scores - safe_max[:, None])
-            alpha = tl.math.exp2(running_max - safe_max)
-            running_sum = running_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            running_max = block_max
+            running_max, running_sum, acc = _online_softmax_step(scores, v, running_max, running_sum, acc, PRECISION)
 
         for start in range(far_end, near_start, BLOCK_N):
             cols = start + offs_n
@@ -144,13 +150,7 @@ if triton is not None:
             scores = tl.where(distance < window, near_scores, far_scores) * scale_log2
             allowed = (distance >= 0) & (distance <= max_distance) & col_ok[None, :]
             scores = tl.where(allowed, scores, float("-inf"))
-            block_max = tl.maximum(running_max, tl.max(scores, 1))
-            safe_max = tl.where(block_max == float("-inf"), 0.0, block_max)
-            p = tl.math.exp2(scores - safe_max[:, None])
-            alpha = tl.math.exp2(running_max - safe_max)
-            running_sum = running_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            running_max = block_max
+            running_max, running_sum, acc = _online_softmax_step(scores, v, running_max, running_sum, acc, PRECISION)
 
         for start in range(near_start, key_end, BLOCK_N):
             cols = start + offs_n
@@ -163,13 +163,7 @@ if triton is not None:
             scores = tl.dot(q_near, tl.trans(k), input_precision=PRECISION) * scale_log2
             distance = first_distance + offs_m[:, None] - cols[None, :]
             scores = tl.where((distance >= 0) & col_ok[None, :], scores, float("-inf"))
-            block_max = tl.maximum(running_max, tl.max(scores, 1))
-            safe_max = tl.where(block_max == float("-inf"), 0.0, block_max)
-            p = tl.math.exp2(scores - safe_max[:, None])
-            alpha = tl.math.exp2(running_max - safe_max)
-            running_sum = running_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            running_max = block_max
+            running_max, running_sum, acc = _online_softmax_step(scores, v, running_max, running_sum, acc, PRECISION)
 
         # rows with no key (none here: a query always reads itself) would divide 0 by 0
         acc = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
