@@ -45,7 +45,6 @@ import inspect
 import logging
 import math
 import os
-import threading
 import uuid
 import weakref
 from dataclasses import dataclass, field, fields, replace
@@ -56,6 +55,7 @@ import torch
 from torch import nn
 
 from .cache_log import FilledCaches
+from .forward_threads import ForwardThreads
 from .rotary import rope_angles
 
 logger = logging.getLogger(__name__)
@@ -83,8 +83,6 @@ _FUSED_CUDA_FAILED = False
 # score matrix at all, so a chunk is only cut where the regimes change; wide chunks keep the
 # GPU's multiprocessors busy (row blocks x heads programs per launch).
 QUERY_CHUNK_TWO_REGIME = 16384
-# Guards the count of forwards under way of each patched model (AttentionPatch.forward_depths).
-_FORWARD_LOCK = threading.Lock()
 # Set once the two-regime kernel fails to compile or run (then the partial-softmax path runs).
 _TWO_REGIME_FAILED = False
 # HF_ROPE_EXT_TWO_REGIME_KERNEL=0 turns the kernel off (the partial-softmax path computes the same).
@@ -1282,7 +1280,7 @@ class AttentionPatch:
     warned_no_weights: bool = False
     # forwards of the patched model under way, per thread (a hook may run one inside another);
     # another thread's forward meanwhile is refused: the state above belongs to one forward
-    forward_depths: dict[int, int] = field(default_factory=dict)
+    forward_threads: ForwardThreads = field(default_factory=ForwardThreads)
     # The object whose ``current_length`` each forward of the model sets (the rotary module, read
     # by remap_applies), and its value saved as each forward started: a forward run inside another
     # (by a hook) would otherwise leave its own length to the outer one's remaining layers.
@@ -1300,7 +1298,7 @@ class AttentionPatch:
         memo[id(self)] = copied
         # The copy starts with no forward under way: the original's count and per-forward state
         # (made while one of its forwards ran, or left by an interrupted one) are not the copy's.
-        fresh = {"forward_depths": {}, "geometry": {}, "positions_memo": _PositionMemo(), "saved_lengths": []}
+        fresh = {"forward_threads": ForwardThreads(), "geometry": {}, "positions_memo": _PositionMemo(), "saved_lengths": []}
         for item in fields(self):  # the caches the original filled are not the copy's (see FilledCaches)
             value = fresh[item.name] if item.name in fresh else copy.deepcopy(getattr(self, item.name), memo)
             setattr(copied, item.name, value)
@@ -1470,17 +1468,9 @@ class AttentionPatch:
 
     def _start_forward(self) -> None:
         """Count this thread's forward in; refuse it while another thread runs one of this model."""
-        me = threading.get_ident()
-        with _FORWARD_LOCK:
-            if any(depth and thread != me for thread, depth in self.forward_depths.items()):
-                raise RuntimeError(
-                    "this patched model is running a forward on another thread, and its per-forward state (cache "
-                    "geometry, key tables, position memos) belongs to one forward: give each thread its own copy "
-                    "(copy.deepcopy(model) patches the copy), or, if no other forward runs (one was interrupted), "
-                    "unpatch_model and patch_model again."
-                )
-            self.forward_depths[me] = self.forward_depths.get(me, 0) + 1
-            self.saved_lengths.append(getattr(self.forward_state, "current_length", None))
+        if self.forward_threads.enter() == 1:
+            self.saved_lengths.clear()  # none can be under way: left by an interrupted forward
+        self.saved_lengths.append(getattr(self.forward_state, "current_length", None))
         # a forward run inside another (by a hook) clears the outer one's memos too: it recomputes them
         self._forward_boundary(starting=True)
 
@@ -1489,18 +1479,12 @@ class AttentionPatch:
         memos' forward is over. (An interrupt, ``KeyboardInterrupt``, skips such hooks: the thread's
         count stays up, which refuses other threads until ``unpatch_model``, and the memos stay on
         for layers called on their own until the next forward of the model ends.)"""
-        me = threading.get_ident()
-        with _FORWARD_LOCK:
-            depth = self.forward_depths.get(me, 0)
-            if depth == 0:  # its start was refused
-                return
-            saved = self.saved_lengths.pop() if self.saved_lengths else None
-            if depth > 1:
-                self.forward_depths[me] = depth - 1
-                if self.forward_state is not None:  # the enclosing forward goes on at its own length
-                    self.forward_state.current_length = saved
-            else:
-                del self.forward_depths[me]
+        depth = self.forward_threads.leave()
+        if depth == 0:  # its start was refused
+            return
+        saved = self.saved_lengths.pop() if self.saved_lengths else None
+        if depth > 1 and self.forward_state is not None:  # the enclosing forward goes on at its own length
+            self.forward_state.current_length = saved
         # memos off after every forward, an inner one (run by a hook) too: the outer one then
         # recomputes its remaining layers' positions, and a count left up by an interrupted
         # forward cannot keep them on
@@ -1790,4 +1774,4 @@ def uninstall(patch: AttentionPatch) -> None:
     patch.key_rotations.clear()
     patch.key_rotations_below_settle.clear()
     patch.positions_memo.clear()
-    patch.forward_depths.clear()
+    patch.forward_threads.clear()

@@ -48,6 +48,7 @@ from transformers import GenerationMixin
 
 from . import compat
 from .cache_log import CacheLogs, FilledCaches, InputLog, foreign_cache_error
+from .forward_threads import ForwardThreads
 from .rotary import ExtendedRotaryEmbedding
 from .validation import check_context, check_length
 
@@ -90,8 +91,9 @@ class PrefixRecompute:
         self.logs = CacheLogs()
         # Forwards under way, innermost last: a forward can run inside another (a hook that calls
         # the model), and each post-hook must see its own call. One thread at a time: the rotary
-        # module's frequency_length is shared anyway.
+        # module's frequency_length is shared, so another thread's forward meanwhile is refused.
         self._calls: list[_Call] = []
+        self.forward_threads = ForwardThreads()
         self.planned_length: int | None = None
         self.recomputations = 0  # prefix recomputations since patching (for benchmarks and tests)
         self._warned_unplanned = False
@@ -139,6 +141,8 @@ class PrefixRecompute:
         self.rotary.frequency_length = call.frequency_length
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.forward_threads.enter() == 1:
+            self._calls.clear()  # none can be under way: left by an interrupted forward, or copied with the model
         arguments = self._arguments(args, kwargs)
         _, cache = compat.cache_argument(arguments)
         inputs = arguments.get("input_ids")
@@ -213,6 +217,8 @@ class PrefixRecompute:
         # Nested forwards end first, so this forward's call is the innermost. After an error
         # (output None) the post-hook also runs when the pre-hook did not get to push a call:
         # then only its own kwargs identify one.
+        if self.forward_threads.leave() == 0:  # its start was refused: another thread's forward runs
+            return None
         if not self._calls or (output is None and self._calls[-1].kwargs is not kwargs):
             return None
         call = self._calls.pop()

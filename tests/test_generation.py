@@ -894,3 +894,47 @@ def test_caches_filled_under_the_current_patch_continue_after_copy_crop_and_beam
         logits = model(best[None, :-1]).logits[0, prompt.shape[1] - 1 :]
     total = torch.log_softmax(logits.float(), -1).gather(-1, best[prompt.shape[1] :, None]).sum()
     assert total.item() == pytest.approx(beams.sequences_scores[0].item(), abs=1e-4)
+
+
+def test_a_length_dependent_patch_refuses_a_forward_on_another_thread_meanwhile():
+    """The frequencies a length-dependent patch chose belong to the forward under way: a second
+    thread that started one meanwhile made the first compute with its length (0.70 off), and is
+    now refused in one line. Each forward equals transformers' own dynamic type over its length,
+    and once the first ends, the other thread may run."""
+    import threading
+
+    model = make_model("llama", attn_implementation="sdpa")
+    theirs = native_twin(model, {"rope_type": "dynamic", "factor": 4.0}, L0)
+    patch_model(model, scale=4, method="dynamic", steps_per_doubling=None)  # the very same frequencies as theirs
+    short, long = random_ids(L0 + 8), random_ids(3 * L0)
+    with torch.no_grad():
+        expected_short, expected_long = theirs(short).logits, theirs(long).logits
+    inside, release, outcome = threading.Event(), threading.Event(), {}
+
+    def hold(module, args, kwargs):  # the short forward waits between choosing and using its frequencies
+        if threading.current_thread().name == "first":
+            inside.set()
+            release.wait(timeout=30)
+
+    handle = model.model.rotary_emb.register_forward_pre_hook(hold, with_kwargs=True)
+
+    def first():
+        with torch.no_grad():
+            outcome["first"] = model(short).logits
+
+    thread = threading.Thread(target=first, name="first")
+    thread.start()
+    try:
+        assert inside.wait(timeout=30)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="running a forward on another thread"):
+            model(long)
+    finally:
+        release.set()
+        thread.join()
+        handle.remove()
+    torch.testing.assert_close(outcome["first"], expected_short, atol=1e-5, rtol=1e-5)
+    other = {}
+    worker = threading.Thread(target=lambda: other.setdefault("logits", model(long).logits.detach()))
+    worker.start()
+    worker.join()
+    torch.testing.assert_close(other["logits"], expected_long, atol=1e-5, rtol=1e-5)
