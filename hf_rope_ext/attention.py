@@ -1435,7 +1435,7 @@ class AttentionPatch:
         :func:`_key_positions`): a call that continues a cache with positions that jump is
         refused, not computed with wrong distances.
         """
-        self._start_forward()
+        self._start_forward(module)
         self.geometry.clear()
         name, cache, positions = _cache_and_positions(module, args, kwargs)
         if cache is None:
@@ -1466,9 +1466,9 @@ class AttentionPatch:
         # Without position ids the model took them from the cache: contiguous, nothing to check later.
         self.filled.record(cache, None if positions is None else positions[:, -1].detach().clone())
 
-    def _start_forward(self) -> None:
+    def _start_forward(self, module: nn.Module) -> None:
         """Count this thread's forward in; refuse it while another thread runs one of this model."""
-        if self.forward_threads.enter() == 1:
+        if self.forward_threads.enter(module) == 1:
             self.saved_lengths.clear()  # none can be under way: left by an interrupted forward
         self.saved_lengths.append(getattr(self.forward_state, "current_length", None))
         # a forward run inside another (by a hook) clears the outer one's memos too: it recomputes them
@@ -1476,9 +1476,9 @@ class AttentionPatch:
 
     def end_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Forward hook of the model that runs even when the forward raised an exception: the
-        memos' forward is over. (An interrupt, ``KeyboardInterrupt``, skips such hooks: the thread's
-        count stays up, which refuses other threads until ``unpatch_model``, and the memos stay on
-        for layers called on their own until the next forward of the model ends.)"""
+        memos' forward is over. (An interrupt, ``KeyboardInterrupt``, skips such hooks: the count
+        is corrected from the stack at the next start, see ForwardThreads, and the memos stay on for
+        layers called on their own until the next forward of the model ends.)"""
         depth = self.forward_threads.leave()
         if depth == 0:  # its start was refused
             return

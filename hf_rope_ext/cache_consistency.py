@@ -141,7 +141,7 @@ class PrefixRecompute:
         self.rotary.frequency_length = call.frequency_length
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        if self.forward_threads.enter() == 1:
+        if self.forward_threads.enter(module) == 1:
             self._calls.clear()  # none can be under way: left by an interrupted forward, or copied with the model
         arguments = self._arguments(args, kwargs)
         _, cache = compat.cache_argument(arguments)

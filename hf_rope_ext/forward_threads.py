@@ -9,39 +9,57 @@ same thread (a hook that calls the model) is allowed: the hooks handle nesting t
 
 from __future__ import annotations
 
+import sys
 import threading
+import weakref
+from types import CodeType, FrameType
+from typing import Any
 
 _LOCK = threading.Lock()
 
 CONCURRENT_FORWARD_MESSAGE = (
     "this patched model is running a forward on another thread, and its per-forward state (the chosen frequencies, "
     "cache geometry, key tables, position memos) belongs to one forward: give each thread its own copy "
-    "(copy.deepcopy(model) patches the copy), or, if no other forward runs (one was interrupted), unpatch_model and "
-    "patch_model again."
+    "(copy.deepcopy(model) patches the copy), or wait for that forward to end."
 )
 
 
 class ForwardThreads:
     """The forwards of one patched model under way, counted per thread.
 
-    A forward interrupted by ``KeyboardInterrupt`` skips PyTorch's always-call hooks, so its
-    thread stays counted (README: Known limits); a ``copy.deepcopy`` starts with none under way.
+    The hooks that count a forward out run even when it raised, but not when it was interrupted
+    (``KeyboardInterrupt`` skips PyTorch's always-call hooks), so a count can outlive its forward.
+    Before a count refuses a forward, or makes one nested, it is checked against what really runs:
+    the calls of the patched module on that thread's stack. A ``copy.deepcopy`` starts with none.
     """
 
     def __init__(self) -> None:
         self.depths: dict[int, int] = {}
+        # the module each counted thread runs: nn.DataParallel's replicas share one patch's hooks
+        self._modules: dict[int, weakref.ref] = {}
+        # the code of the frame that runs the module's hooks (torch.nn.Module's call), learnt from
+        # the first forward: a frame with this code and ``self`` the module is one of its forwards
+        self._call_code: CodeType | None = None
 
     def __deepcopy__(self, memo: dict) -> ForwardThreads:
         return type(self)()
 
-    def enter(self) -> int:
-        """Count a forward of this thread in, and return how many it now runs (2 or more: nested);
-        refuse it while another thread runs one."""
+    def enter(self, module: Any) -> int:
+        """Count a forward of ``module`` on this thread in (called from a forward pre-hook), and
+        return how many this thread now runs (2 or more: nested); refuse it while another thread
+        runs one."""
         me = threading.get_ident()
+        here = sys._getframe(1)
         with _LOCK:
-            if any(depth and thread != me for thread, depth in self.depths.items()):
+            if self._call_code is None:
+                self._call_code = _calling_code(here, module)
+            if self.depths:
+                self._forget_ended(me, here, module)
+            if any(thread != me for thread in self.depths):
                 raise RuntimeError(CONCURRENT_FORWARD_MESSAGE)
             self.depths[me] = depth = self.depths.get(me, 0) + 1
+            if depth == 1:
+                self._modules[me] = weakref.ref(module)
         return depth
 
     def leave(self) -> int:
@@ -53,9 +71,50 @@ class ForwardThreads:
             if depth > 1:
                 self.depths[me] = depth - 1
             elif depth == 1:
-                del self.depths[me]
+                self._forget(me)
         return depth
 
     def clear(self) -> None:
         with _LOCK:
             self.depths.clear()
+            self._modules.clear()
+
+    def _forget(self, thread: int) -> None:
+        del self.depths[thread]
+        self._modules.pop(thread, None)
+
+    def _forget_ended(self, me: int, here: FrameType, starting_module: Any) -> None:
+        """Lower each thread's count to the forwards its stack still runs (the rest were
+        interrupted; a thread that ended runs none)."""
+        if self._call_code is None:  # the hooks' caller is unknown: keep the counts (refuse, never mix)
+            return
+        stacks = sys._current_frames()
+        for thread in list(self.depths):
+            module = self._modules[thread]()
+            top = here if thread == me else stacks.get(thread)
+            running = 0 if module is None else _calls_of(module, self._call_code, top)
+            if thread == me and module is starting_module:
+                running -= 1  # the forward starting now is on this stack as well
+            if running <= 0:
+                self._forget(thread)
+            elif running < self.depths[thread]:
+                self.depths[thread] = running
+
+
+def _calling_code(frame: FrameType | None, module: Any) -> CodeType | None:
+    """The code of the nearest frame at or above ``frame`` whose ``self`` is ``module``."""
+    while frame is not None:
+        if frame.f_locals.get("self") is module:
+            return frame.f_code
+        frame = frame.f_back
+    return None
+
+
+def _calls_of(module: Any, code: CodeType, frame: FrameType | None) -> int:
+    """How many frames at or above ``frame`` run ``code`` with ``self`` the module."""
+    count = 0
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is module:
+            count += 1
+        frame = frame.f_back
+    return count

@@ -938,3 +938,91 @@ def test_a_length_dependent_patch_refuses_a_forward_on_another_thread_meanwhile(
     worker.start()
     worker.join()
     torch.testing.assert_close(other["logits"], expected_long, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["dynamic-yarn", "self-extend", "self-extend-dca"])
+def test_a_forward_interrupted_by_ctrl_c_does_not_refuse_other_threads_later(method):
+    """Ctrl-C skips PyTorch's always-call hooks, so the interrupted forward's thread stays counted:
+    later forwards on other threads were refused until the model was patched again. The count is
+    now checked against the forwards that thread's stack really runs. A forward that does run
+    meanwhile is still refused, and each forward equals one on an identically patched model."""
+    import threading
+
+    def interrupt(module, args, kwargs):
+        raise KeyboardInterrupt
+
+    model, fresh = (make_model("llama", attn_implementation="sdpa") for _ in range(2))
+    for each in (model, fresh):
+        patch_model(each, scale=4, method=method)
+    ids = random_ids(3 * L0)
+    with torch.no_grad():
+        expected = fresh(ids).logits
+    handle = model.model.layers[1].register_forward_pre_hook(interrupt, with_kwargs=True)
+    with pytest.raises(KeyboardInterrupt):
+        model(ids)
+    handle.remove()
+
+    def run_on_a_thread(target):
+        outcome = {}
+
+        def work():
+            try:
+                with torch.no_grad():
+                    outcome["logits"] = target(ids).logits
+            except RuntimeError as error:
+                outcome["error"] = error
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+        return outcome
+
+    outcome = run_on_a_thread(model)
+    assert "error" not in outcome, outcome.get("error")
+    torch.testing.assert_close(outcome["logits"], expected, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the interrupted thread itself goes on as before
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+    inner = {}
+
+    def from_inside(module, args, kwargs):  # while this forward runs, another thread's is refused
+        if not inner:
+            inner.update(run_on_a_thread(model))
+
+    handle = model.model.layers[1].register_forward_pre_hook(from_inside, with_kwargs=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-5)
+    handle.remove()
+    assert "running a forward on another thread" in str(inner.get("error")), inner
+
+
+@pytest.mark.parametrize("method", ["dynamic-yarn", "self-extend"])
+def test_replicas_that_share_the_patch_refuse_each_others_forwards_meanwhile(method):
+    """nn.DataParallel's replicas are other module objects with the patched module's hooks (one
+    patch): a replica's forward on another thread while one runs mixes their state, so it is
+    refused like any other thread's."""
+    import threading
+
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method=method)
+    replica = model.model._replicate_for_data_parallel()  # what torch.nn.parallel.replicate makes of it
+    ids = random_ids(3 * L0)
+    inside, release, outcome = threading.Event(), threading.Event(), {}
+
+    def hold(module, args, kwargs):
+        if threading.current_thread().name == "first":
+            inside.set()
+            release.wait(timeout=30)
+
+    handle = model.model.layers[1].register_forward_pre_hook(hold, with_kwargs=True)
+    thread = threading.Thread(target=lambda: outcome.setdefault("first", model(ids)), name="first")
+    thread.start()
+    try:
+        assert inside.wait(timeout=30)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="running a forward on another thread"):
+            replica(ids)
+    finally:
+        release.set()
+        thread.join()
+        handle.remove()
+    assert "first" in outcome
