@@ -45,6 +45,7 @@ import inspect
 import logging
 import math
 import os
+import sys
 import uuid
 import weakref
 from dataclasses import dataclass, field, fields, replace
@@ -1324,7 +1325,7 @@ class AttentionPatch:
 
     def attention(self, module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """The attention function registered for this model (transformers' signature)."""
-        original = _attention_functions().get_interface(self.original_implementation, _eager_attention())
+        original = _attention_functions().get_interface(self.original_implementation, _eager_attention(module))
         position_ids = kwargs.get("position_ids")
         query_len, key_len = query.shape[2], key.shape[2]
         geometry = self.geometry.get((query_len, key_len))
@@ -1334,13 +1335,21 @@ class AttentionPatch:
         position_ids = position_ids.to(query.device)
         remap, inv_freq, key_rotations = self._current_remap()
         memo = self.positions_memo.of(position_ids)
-        if memo.max_position < self.original_length or (remap is None and not self.logn):
+        # Layers without RoPE (SmolLM3's no_rope_layers) have no positions to remap.
+        uses_rope = getattr(module, "use_rope", True)
+        if memo.max_position < self.original_length or (remap is None and not self.logn) or not uses_rope:
             # Inside the native context every method is plain attention: the model's own kernel.
             if self.original_implementation in FLASH_IMPLEMENTATIONS:
                 module = _ModuleWithImplementation(module, self.original_implementation)
             return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if dropout and module.training:
             raise ValueError("attention-level methods do not support attention dropout during training; set it to 0.")
+        unsupported = [name for name in UNSUPPORTED_ATTENTION_ARGUMENTS if kwargs.get(name) is not None]
+        if unsupported:  # check_attention_modules refuses the known cases at patch time
+            raise ValueError(
+                f"{type(module).__name__} passes {', '.join(unsupported)} to its attention function, which "
+                "attention-level methods do not apply; unpatch_model and use a frequency method (yarn, dynamic-yarn)."
+            )
         if geometry is not None:
             query_slot, key_offset = geometry.query_offset, geometry.key_offset
         elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
@@ -1456,14 +1465,9 @@ class AttentionPatch:
 
     def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Forward hook of the model: where the cache it filled ends (tokens, each row's last position)."""
-        from . import compat
-
-        _, cache, positions = _cache_and_positions(module, args, kwargs)
+        _, cache, positions = _cache_and_positions(module, args, kwargs, output)
         if cache is None:
-            cache = compat.output_cache(output)  # one the model made (use_cache=True without a cache)
-            if not compat.is_cache(cache):
-                return
-        # Without position ids the model took them from the cache: contiguous, nothing to check later.
+            return
         self.filled.record(cache, None if positions is None else positions[:, -1].detach().clone())
 
     def _start_forward(self, module: nn.Module) -> None:
@@ -1587,8 +1591,12 @@ def _packed_bounds(position_ids: torch.Tensor, kwargs: Mapping[str, Any], query_
 _FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}  # per model class: read once, bound per forward
 
 
-def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[str | None, Any, torch.Tensor | None]:
-    """The name and KV cache of a call to the model, and its 2-D position ids (None where not given)."""
+def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict, output: Any = None
+                         ) -> tuple[str | None, Any, torch.Tensor | None]:
+    """The name and KV cache of a call to the model, and its 2-D position ids (None where not
+    given). With the call's ``output`` (it has run): the cache may be one the model made
+    (use_cache=True without a cache), and positions not given are the ones the model took from
+    the cache (the tokens it held before, one each: transformers' ``cache_position``)."""
     from . import compat
 
     signature = _FORWARD_SIGNATURES.get(type(module))
@@ -1599,10 +1607,18 @@ def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[
     except TypeError:
         return None, None, None
     name, cache = compat.cache_argument(arguments)
+    if output is not None and not compat.is_cache(cache):
+        cache = compat.output_cache(output)
+    cache = cache if compat.is_cache(cache) else None
     positions = arguments.get("position_ids")
     if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
         positions = None
-    return name, (cache if compat.is_cache(cache) else None), positions
+        inputs = arguments.get("input_ids")
+        inputs = arguments.get("inputs_embeds") if inputs is None else inputs
+        if output is not None and cache is not None and isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:
+            held = int(cache.get_seq_length())
+            positions = torch.arange(held - inputs.shape[1], held).expand(inputs.shape[0], -1)
+    return name, cache, positions
 
 
 def _query_slot_from_mask(attention_mask: torch.Tensor, query_len: int, key_len: int) -> int:
@@ -1655,10 +1671,44 @@ def _mask_functions():
     return ALL_MASK_ATTENTION_FUNCTIONS
 
 
-def _eager_attention():
+def _eager_attention(module: nn.Module):
+    """The eager attention of ``module``'s own modeling file (Gemma2's caps its logits), else Llama's."""
+    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if callable(own):
+        return own
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     return eager_attention_forward
+
+
+# Keyword arguments of transformers' attention functions that change the computation in ways the
+# remapped attention does not reproduce (Gemma2's logit soft-capping, gpt-oss's attention sinks).
+UNSUPPORTED_ATTENTION_ARGUMENTS = ("softcap", "s_aux", "sinks")
+
+
+def check_attention_modules(model: nn.Module, config: Any, label: str, model_type: Any) -> None:
+    """Refuse, before patching, a model whose attention an attention-level patch cannot reach or
+    would compute differently: the patch replaces the attention function that the model's
+    attention modules look up in transformers' registry (ALL_ATTENTION_FUNCTIONS)."""
+    registry, bypassing = set(), set()
+    for module in model.modules():
+        names = getattr(getattr(inspect.unwrap(type(module).forward), "__code__", None), "co_names", ())
+        if "ALL_ATTENTION_FUNCTIONS" in names:
+            registry.add(type(module).__name__)
+        elif "_attn_implementation" in names and type(module).__module__.startswith("transformers."):
+            bypassing.add(type(module).__name__)  # chooses its attention by name, outside the registry (Falcon)
+    if bypassing or not registry:
+        which = f" ({', '.join(sorted(bypassing))})" if bypassing else ""
+        raise ValueError(
+            f"model_type {model_type!r}: its attention{which} does not go through transformers' attention registry, "
+            f"which attention-level methods ({label!r}) replace per model; use a frequency method (yarn, dynamic-yarn)."
+        )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"model_type {model_type!r} caps its attention logits (attn_logit_softcapping={softcap}), which "
+            f"attention-level methods ({label!r}) do not do; use a frequency method (yarn, dynamic-yarn)."
+        )
 
 
 SUPPORTED_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")

@@ -55,6 +55,20 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
+def already_scaled_message(model_type: Any, rope: dict[str, Any], max_positions: Any) -> str | None:
+    """The refusal of a config whose RoPE is already scaled (None: plain RoPE). Such checkpoints
+    (Llama 3.1's llama3, Qwen2.5's yarn) were trained with their scaling: it cannot be taken off."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    factor = f", factor {rope['factor']}" if rope.get("factor") is not None else ""
+    return (
+        f"model_type {model_type!r} already uses RoPE scaling (rope_type={rope_type!r}{factor} in its config); "
+        "hf_rope_ext extends models trained with plain RoPE, and a checkpoint trained with its scaling needs it: use "
+        f"this model as it is (its config gives {max_positions} positions), or patch a plain-RoPE model."
+    )
+
+
 def snapshot_config(config: Any, extra_attributes: tuple[str, ...]) -> dict[str, Any]:
     """Deep copies of the config fields a patch changes, to restore them exactly."""
     saved = {"rope_parameters": copy.deepcopy(config.rope_parameters)}

@@ -343,12 +343,9 @@ def _rotary_target(model: nn.Module) -> _Target:
             "hf_rope_ext.hub.restore_patch(model)); patch_model then re-patches from the original."
         )
     rope = compat.rope_parameters(config)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(
-            f"model_type {model_type!r} already uses RoPE scaling (rope_type={rope_type!r} in its config); "
-            "hf_rope_ext extends models that use plain RoPE. Load the model without that scaling first."
-        )
+    scaled = compat.already_scaled_message(model_type, rope, getattr(config, "max_position_embeddings", "?"))
+    if scaled is not None:
+        raise ValueError(scaled)
     target = _Target(module_name, original, config, model_type, rope)
     if original.inv_freq.is_meta:
         raise ValueError(
@@ -379,6 +376,10 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec, restoring: bool
     below = rope_method.attention_below_settle
     remap_below_settle = _position_remap(spec, below, resolved) if rope_method.settle_length is not None else None
     attention_level = remap is not None or spec.logn_attention
+    if attention_level:
+        from .attention import check_attention_modules
+
+        check_attention_modules(model, target.config, spec.label, target.model_type)
     dropout = _attention_dropout(model, target.config) if attention_level else 0.0
     if dropout and model.training and not restoring:  # (a training forward refuses it anyway)
         raise ValueError(attention_dropout_message(spec.label, dropout))

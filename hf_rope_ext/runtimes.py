@@ -190,19 +190,23 @@ def _patch_of(
             "This config is already patched; its settings need no method, scale or parameters. To describe another "
             "patch, pass the original model's config with method= and scale=."
         )
+    scaled = None if patched else compat.already_scaled_message(
+        model_type, compat.rope_parameters(config), getattr(config, "max_position_embeddings", "?"))
     if method is None:
         if scale is not None or patch_kwargs:
             raise ValueError("scale and method parameters need method= as well.")
         recorded = config_io.verify_record(config)
+        if recorded is None and scaled is not None:
+            raise ValueError(scaled)
         if recorded is None:
             raise ValueError(
                 f"This {model_type!r} config has no hf_rope_ext record; give method= and scale= to describe a patch "
                 "of this (unpatched) model."
             )
         return recorded, model_type
+    if scaled is not None:
+        raise ValueError(scaled)
     rope = compat.rope_parameters(config)
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"This config already uses RoPE scaling (rope_type={rope['rope_type']!r}).")
     if scale is None:
         raise ValueError("runtime_settings needs scale= together with method=.")
     facts = [name for name in ("rope_theta", "rotary_dim", "partial_rotary_factor") if name in patch_kwargs]

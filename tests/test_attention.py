@@ -18,7 +18,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from hf_rope_ext import get_patch_info, patch_model, planned_length, unpatch_model
 from hf_rope_ext import attention as attention_level
 
-from conftest import ORIGINAL_CONTEXT, make_model, native_twin, random_ids
+from conftest import ORIGINAL_CONTEXT, TINY_SHAPE, make_model, native_twin, random_ids, strengthen_weights
 
 L0 = ORIGINAL_CONTEXT
 LENGTH = 100  # > 3 x L0
@@ -952,11 +952,14 @@ def test_static_cache_with_a_4d_mask_of_the_callers_own_equals_a_full_forward(me
     torch.testing.assert_close(torch.cat(out, dim=1), full, atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("prefill_positions", ["given", "taken from the cache", "cache made by the model"])
 @pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "self-extend-yarn"])
-def test_continuing_a_cache_with_positions_that_jump_is_refused(method):
+def test_continuing_a_cache_with_positions_that_jump_is_refused(method, prefill_positions):
     """The cached keys are taken to sit just before the new tokens (their positions are not kept):
     a continuation whose positions jump would be computed with wrong distances, so it is refused,
-    the cache untouched; the positions that follow give the full forward's logits."""
+    the cache untouched; the positions that follow give the full forward's logits. A prefill
+    without position ids (the model takes them from the cache) ends at known positions too: it was
+    not checked, and the jump gave logits 0.65 off."""
     from transformers import DynamicCache
 
     model = make_model("llama", attn_implementation="sdpa")
@@ -965,7 +968,12 @@ def test_continuing_a_cache_with_positions_that_jump_is_refused(method):
     cache = DynamicCache(config=model.config)
     with torch.no_grad(), planned_length(model, 70):
         full = model(ids).logits[:, 60:]
-        model(ids[:, :60], position_ids=torch.arange(60)[None], past_key_values=cache)
+        if prefill_positions == "given":
+            model(ids[:, :60], position_ids=torch.arange(60)[None], past_key_values=cache)
+        elif prefill_positions == "taken from the cache":
+            model(ids[:, :60], past_key_values=cache)
+        else:
+            cache = model(ids[:, :60], use_cache=True).past_key_values
         with pytest.raises(ValueError, match=r"position_ids start at \[70\], not \[60\]"):
             model(ids[:, 60:], position_ids=torch.arange(70, 80)[None], past_key_values=cache)
         assert cache.get_seq_length() == 60
@@ -1527,3 +1535,72 @@ def test_a_forward_run_inside_another_leaves_the_outer_one_its_own_length(method
     with torch.no_grad():
         torch.testing.assert_close(actual, fresh(outer).logits, atol=0, rtol=0)
         torch.testing.assert_close(calls[0], fresh(inner).logits, atol=0, rtol=0)
+
+
+def _tiny_model(model_type: str, attn_implementation: str = "eager", **overrides):
+    """A tiny random model of a family outside conftest's four, with conftest's shapes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**TINY_SHAPE, "pad_token_id": 0, **overrides})
+    return strengthen_weights(AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)).eval()
+
+
+@pytest.mark.parametrize("model_type, implementations, overrides", [
+    ("falcon", ("eager", "sdpa"), {"new_decoder_architecture": True, "num_kv_heads": 2}),  # picks by name itself
+    ("gpt_neox_japanese", ("eager",), {}),  # computes its own attention (transformers refuses sdpa for it)
+])
+@pytest.mark.parametrize("method", ["self-extend-yarn", "dual-chunk", "yarn+logn"])
+def test_attention_level_methods_refuse_models_whose_attention_bypasses_the_registry(model_type, implementations,
+                                                                                    overrides, method):
+    """These families pass the rotary module's checks, but their attention never calls the function
+    the patch registers: the remap was silently not applied beyond L0 (eager), or the model lost its
+    own sdpa branch inside L0 (falcon: 0.29 off). Frequency methods still patch them."""
+    for implementation in implementations:
+        model = _tiny_model(model_type, implementation, **overrides)
+        with pytest.raises(ValueError, match="does not go through transformers' attention registry"):
+            patch_model(model, scale=4, method=method)
+        assert get_patch_info(model) is None
+        patch_model(model, scale=4, method="yarn")
+        unpatch_model(model)
+
+
+def test_attention_level_methods_refuse_logit_softcapping_and_keep_each_familys_own_eager_kernel():
+    """Gemma2 caps its attention logits: the patch's own kernels would drop the cap (2.2e-2 off a
+    float64 reference with it), so a config with the cap is refused. Inside L0 the patch hands
+    over to the model's own eager kernel, Gemma2's (which caps), not Llama's; beyond L0 a cap
+    that appears after patching is refused, not dropped."""
+    capped = _tiny_model("gemma2", head_dim=16, attn_logit_softcapping=5.0, final_logit_softcapping=None)
+    with pytest.raises(ValueError, match=r"caps its attention logits \(attn_logit_softcapping=5.0\)"):
+        patch_model(capped, scale=4)
+    model = _tiny_model("gemma2", head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=None)
+    patch_model(model, scale=4)
+    for layer in (*model.model.layers, *capped.model.layers):
+        layer.self_attn.attn_logit_softcapping = 5.0
+    capped.load_state_dict(model.state_dict())
+    ids = random_ids(ORIGINAL_CONTEXT - 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, capped(ids).logits, atol=0, rtol=0)
+        with pytest.raises(ValueError, match="passes softcap to its attention function"):
+            model(random_ids(2 * ORIGINAL_CONTEXT))
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "self-extend-yarn"])
+def test_layers_without_rope_keep_their_own_attention(method):
+    """SmolLM3 leaves RoPE out of some layers (no_rope_layers): there is no position to remap, so
+    such a layer's attention is the unpatched one's, bitwise; the remap was applied to them before
+    (0.95 off with no layer using RoPE). Layers with RoPE are still remapped."""
+    ids = random_ids(3 * ORIGINAL_CONTEXT)
+    for layers, remapped in (([0, 0], False), ([0, 1], True)):
+        model, base = (_tiny_model("smollm3", "sdpa", no_rope_layers=layers) for _ in range(2))
+        patch_model(model, scale=4, method=method)
+        outputs = {}
+        for name, each in (("patched", model), ("base", base)):
+            handle = each.model.layers[0].self_attn.register_forward_hook(
+                lambda module, args, output, name=name: outputs.update({name: output[0]}))
+            with torch.no_grad():
+                outputs[name + " logits"] = each(ids).logits
+            handle.remove()
+        torch.testing.assert_close(outputs["patched"], outputs["base"], atol=0, rtol=0)
+        difference = (outputs["patched logits"] - outputs["base logits"]).abs().max().item()
+        assert (difference > 1e-3) if remapped else difference == 0, (layers, difference)

@@ -412,9 +412,18 @@ def test_unknown_model_without_rotary_module():
 
 
 def test_already_scaled_model_is_refused():
+    """A checkpoint trained with its scaling (Llama 3.1, Qwen2.5) needs it: the message says to use
+    it as it is, not to load it without the scaling. runtime_settings says the same, with or
+    without a method."""
+    from hf_rope_ext.runtimes import runtime_settings
+
     model = make_model("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
-    with pytest.raises(ValueError, match="already uses RoPE scaling"):
+    advice = r"already uses RoPE scaling \(rope_type='linear', factor 2.0 in its config\).*use this model as it is"
+    with pytest.raises(ValueError, match=advice):
         patch_model(model, scale=4)
+    for arguments in ({}, {"method": "yarn", "scale": 4}):
+        with pytest.raises(ValueError, match=advice):
+            runtime_settings(model.config, **arguments)
 
 
 def test_missing_original_context_length():
