@@ -28,7 +28,8 @@ Run (CPU, about 20 minutes)::
     python examples/benchmark_speed.py --model smollm2 --output-dir outputs/benchmark \\
         --forward-tokens 4096 --original-context 1024
 
-Prints a table and writes ``speed.json`` under ``--output-dir`` (``--output_dir`` still parses).
+Prints a table and writes ``speed.json`` under ``--output-dir`` (``--output_dir`` still parses), a
+folder of its own: one that holds an earlier run's ``speed.json`` or ``decode_rounds.json`` is refused.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from hf_rope_ext.evaluation.cli import name_list
 from hf_rope_ext.evaluation.records import check_output_dir
 from hf_rope_ext.files import atomic_write_json
 from hf_rope_ext.loading import load_model, resolve_model_path
-from hf_rope_ext.methods import get_method
+from hf_rope_ext.methods import LOGN_SUFFIX, get_method
 from hf_rope_ext.patching import original_context_length
 from hf_rope_ext.validation import check_scale
 
@@ -117,6 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             check_scale(scale, option)
         except ValueError as error:
             parser.error(str(error))
+    if args.skip_forward and args.skip_decode and not args.decode_step_methods:
+        parser.error("--skip-forward and --skip-decode leave nothing to measure; drop one of them or give "
+                     "--decode-step-methods")
     if not args.skip_forward and not args.forward_methods:
         parser.error("--forward-methods names no method; give e.g. yarn,ntk, or --skip-forward")
     for method in args.forward_methods:
@@ -316,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     # The folder first: created only at the end, a path under a file would lose the whole benchmark.
     check_output_dir(args.output_dir)
+    # Each run writes its own report whole: into a folder of an earlier run it would replace that run's results.
+    for name in ("speed.json", "decode_rounds.json"):
+        if (args.output_dir / name).exists():
+            raise ValueError(f"{args.output_dir / name} holds the results of an earlier run; give another "
+                             "--output-dir (nothing is overwritten).")
     try:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -328,8 +337,15 @@ def _run(args: argparse.Namespace) -> int:
     if not args.skip_forward:
         check_configurations(model, args.forward_methods, args.forward_scale)
     native = original_context_length(model.config)
+    # Inside the native context the attention-level methods and log-n attention change nothing: the
+    # ratio would time a no-op.
+    unchanged_attention = [] if args.skip_forward else [
+        name for name in args.forward_methods if get_method(name).attention is not None or name.endswith(LOGN_SUFFIX)]
+    if unchanged_attention and args.forward_tokens <= native:
+        raise ValueError(f"--forward-tokens {args.forward_tokens} is within the model's native context of {native} "
+                         f"tokens, where the attention of {', '.join(unchanged_attention)} is the unpatched one "
+                         f"(the ratio would time a no-op); give more than {native}.")
     if args.decode_step_methods and args.decode_step_tokens <= native:
-        # Inside the native context the attention-level methods change nothing: the ratio would time a no-op.
         raise ValueError(f"--decode-step-tokens {args.decode_step_tokens} is within the model's native context of "
                          f"{native} tokens; give more than {native}.")
     device = next(model.parameters()).device

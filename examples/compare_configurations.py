@@ -134,6 +134,10 @@ def run(parser) -> None:
     results_path = output / "results.jsonl"
     stored = records_without_cut_line(results_path)  # drops a line cut by an interrupted append from the file
     check_script_results(stored, results_path)  # an hf-rope-ext eval folder: refused before the model loads
+    for record in stored:  # the table shows no text, and "time vs none" would compare two texts' forwards
+        if record.get("text") != args.text_file.name:
+            parser.error(f"{results_path} holds results for the text {record.get('text')!r}, not "
+                         f"{args.text_file.name!r}; use another --output-dir for this text")
     done = {record.get("key"): record for record in stored}
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)

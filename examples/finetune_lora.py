@@ -45,9 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    config = config_from_args(parser.parse_args(argv))
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        config = config_from_args(args)  # refuses dataset-only flags given with --text-files
         summary = finetune(config)
     except (ValueError, TypeError, OSError) as error:  # bad input (settings, a missing file, an unreadable dataset)
         print(f"error: {error}", file=sys.stderr)

@@ -124,6 +124,8 @@ def test_eval_example_bad_input_is_one_line_and_exit_2_before_loading(tiny, extr
     (["--forward-repeats", "0"], "--forward-repeats must be at least 1, got 0"),
     (["--decode-repeats", "0"], "--decode-repeats must be at least 1, got 0"),
     (["--forward-methods", ""], "--forward-methods names no method"),
+    (["--skip-forward", "--skip-decode"], "--skip-forward and --skip-decode leave nothing to measure; drop one of them "
+                                          "or give --decode-step-methods"),
     (["--output-dir", "{tiny}/a-file/x"], "--output-dir {tiny}/a-file/x cannot be created: {tiny}/a-file is a file"),
 ])  # fmt: skip
 def test_benchmark_bad_input_is_one_line_and_exit_2_before_loading(tiny, extra, message, monkeypatch, capsys):
@@ -154,3 +156,80 @@ def test_benchmark_writes_speed_json_atomically_into_a_folder_made_first(tiny, m
     assert set(report["forward"]) == {"tokens", "none", "yarn", "ntk"} and len(report["decode"]["shapes"]) == 4
     assert written[-1] == "speed.json" and set(written[:-1]) == {"decode_rounds.json"}
     assert "Forward pass, 40 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("earlier", ["speed.json", "decode_rounds.json"])
+def test_benchmark_refuses_a_folder_of_an_earlier_run_before_loading(tiny, earlier, monkeypatch, capsys):
+    """A second run into a folder would replace the first run's results whole (even one that
+    measures nothing): refused, the earlier file untouched."""
+    module = example("benchmark_speed")
+    output = tiny / f"earlier-{earlier}"
+    output.mkdir()
+    (output / earlier).write_text('{"forward": {"tokens": 40}}')
+    argv = ["--output-dir", str(output), "--skip-decode", "--forward-methods", "yarn"]
+    line = _refused_before_loading(module, argv, monkeypatch, capsys)
+    assert line == f"error: {output / earlier} holds the results of an earlier run; give another --output-dir " \
+                   "(nothing is overwritten)."
+    assert [p.name for p in output.iterdir()] == [earlier] and (output / earlier).read_text() == \
+        '{"forward": {"tokens": 40}}'
+
+
+@pytest.mark.parametrize("methods, named", [
+    ("yarn,self-extend", "self-extend"), ("dual-chunk", "dual-chunk"), ("self-extend-yarn", "self-extend-yarn"),
+    ("ntk,yarn+logn", "yarn+logn"),
+])  # fmt: skip
+def test_benchmark_refuses_attention_level_forwards_inside_the_native_context(tiny, methods, named, monkeypatch,
+                                                                              capsys):
+    """Up to the native context (32 tokens, conftest's tiny Llama) attention-level methods and log-n
+    attention leave attention as it is: the ratio would time a no-op. Refused before any forward,
+    as --decode-step-tokens inside the native context is; one token beyond passes."""
+    module = example("benchmark_speed")
+    timed = []
+    monkeypatch.setattr(module, "forward_benchmark", lambda model, ids, *rest: timed.append(ids.shape[1]) or {})
+    argv = ["--model", str(tiny / "model"), "--device", "cpu", "--skip-decode", "--forward-repeats", "1",
+            "--forward-methods", methods, "--forward-scale", "2"]  # fmt: skip
+    output = tiny / f"native-{named}"
+    assert module.main([*argv, "--forward-tokens", "32", "--output-dir", str(output)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: --forward-tokens 32 is within the model's native context of 32 tokens, where the attention of "
+        f"{named} is the unpatched one (the ratio would time a no-op); give more than 32.")
+    assert timed == [] and not (output / "speed.json").exists()
+    assert module.main([*argv, "--forward-tokens", "33", "--output-dir", str(output)]) == 0
+    assert timed == [33]
+
+
+def test_benchmark_times_static_methods_inside_the_native_context(tiny, monkeypatch):
+    """yarn changes the frequencies at every length: not refused at 32 tokens."""
+    module = example("benchmark_speed")
+    timed = []
+    monkeypatch.setattr(module, "forward_benchmark", lambda model, ids, *rest: timed.append(ids.shape[1]) or {})
+    assert module.main(["--model", str(tiny / "model"), "--device", "cpu", "--skip-decode", "--forward-tokens", "32",
+                        "--forward-methods", "yarn,ntk", "--output-dir", str(tiny / "native-static")]) == 0
+    assert timed == [32]
+
+
+def test_compare_configurations_refuses_a_second_text_in_one_folder(tiny, monkeypatch, capsys):
+    """The table has no text column and "time vs none" divides by the folder's `none` row: a second
+    text is refused before the model loads, the first text's results untouched."""
+    module = example("compare_configurations")
+    other = tiny / "other-book.txt"
+    other.write_text(" ".join(f"w{(7 * i) % 100}" for i in range(400)))
+    output = tiny / "compare"
+    common = ["compare_configurations.py", "--model", str(tiny / "model"), "--length", "64", "--scale", "2",
+              "--output-dir", str(output)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", [*common, "--text-files", str(tiny / "book.txt"), "--configs", "none"])
+    module.main()
+    before = {name: (output / name).read_text() for name in ("results.jsonl", "table.md")}
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the second text was refused")
+
+    monkeypatch.setattr(module, "load_model", load_model)
+    monkeypatch.setattr(sys, "argv", [*common, "--text-files", str(other), "--configs", "yarn"])
+    with pytest.raises(SystemExit) as stopped:
+        module.main()
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"compare_configurations.py: error: {output / 'results.jsonl'} holds results for the text 'book.txt', not "
+        "'other-book.txt'; use another --output-dir for this text")
+    assert {name: (output / name).read_text() for name in before} == before

@@ -35,6 +35,7 @@ from hf_rope_ext.training import (
     LoraSettings,
     PackedWindows,
     apply_lora,
+    config_from_args,
     default_lora_targets,
     draw_pose,
     finetune,
@@ -582,9 +583,9 @@ def test_bad_input_is_refused_before_training(tiny_model, varied_text, tmp_path,
         (dict(method_params='{"scale": 2}'), "cannot hold 'scale' \\(set with --scale\\)"),
         (dict(method_params=["beta_fast"]), "JSON object as a string or a dict"),
         # dataset settings do nothing with text files
-        (dict(dataset_limit=5), "--dataset-limit only apply to --dataset"),
+        (dict(dataset_limit=5), "--dataset-limit only applies to --dataset; drop it when"),
         (dict(dataset_split="nope", dataset_config="zzz", text_field="body"),
-         "--dataset-config, --dataset-split, --text-field only apply to --dataset"),
+         "--dataset-config, --dataset-split, --text-field only apply to --dataset; drop them when"),
         # wrong types from Python, once accepted (pose="no" turned PoSE on) or a raw TypeError
         (dict(pose="no"), "--pose must be True or False"),
         (dict(shuffle=0), "--shuffle must be True or False"),
@@ -948,6 +949,37 @@ def test_example_script_reports_a_diverged_run_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(script, "finetune", diverge)
     assert script.main(SCRIPT_ARGUMENTS) == 1
     assert capsys.readouterr().err == "error: The loss became nan at step 3; lower --learning-rate or check the data.\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset-split", "train"], "--dataset-split only applies to --dataset; drop it when training on --text-files."),
+    (["--text-field", "text"], "--text-field only applies to --dataset; drop it when training on --text-files."),
+    (["--dataset_split", "train", "--text-field", "text", "--dataset-limit", "3"],
+     "--dataset-split, --text-field, --dataset-limit only apply to --dataset; drop them when training on --text-files."),
+])  # fmt: skip
+def test_example_script_refuses_dataset_flags_with_text_files_even_at_their_defaults(monkeypatch, capsys, flags,
+                                                                                      message):
+    """A dataset-only flag is refused with --text-files whenever it is given, also at its default
+    value (which once passed: the check compared values); one line, exit 2, before any work."""
+    script = load_example_script()
+
+    def train(config):
+        raise AssertionError("a run with a dataset-only flag on --text-files was started")
+
+    monkeypatch.setattr(script, "finetune", train)
+    assert script.main([*SCRIPT_ARGUMENTS, *flags]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_dataset_flags_keep_their_values_and_defaults_with_a_dataset():
+    parser = load_example_script().build_parser()
+    common = ["--model", "m", "--output-dir", "out", "--dataset", "d", "--scale", "4"]
+    given = config_from_args(parser.parse_args([*common, "--dataset-split", "train", "--text-field", "body"]))
+    assert (given.dataset_split, given.text_field, given.dataset_config, given.dataset_limit) == ("train", "body", None, None)
+    defaults = config_from_args(parser.parse_args(common))
+    fields = FinetuneConfig.__dataclass_fields__  # the dataclass's own defaults, filled in for flags not given
+    assert [getattr(defaults, name) for name in ("dataset_split", "text_field", "dataset_config", "dataset_limit")] == [
+        fields[name].default for name in ("dataset_split", "text_field", "dataset_config", "dataset_limit")]
 
 
 def test_example_script_reports_bad_method_params_and_unreadable_datasets_in_one_line(tiny_model, tmp_path, capsys):

@@ -42,6 +42,12 @@ SWITCHES = ("skip_short_documents", "shuffle", "pose", "train_embeddings", "trai
 DATASET_SETTINGS = {"dataset_config": None, "dataset_split": "train", "text_field": "text", "dataset_limit": None}
 
 
+def dataset_flags_refusal(given: list[str]) -> str:
+    """The refusal of dataset-only flags (``given``, their spellings) in a run on ``--text-files``."""
+    verb, pronoun = ("applies", "it") if len(given) == 1 else ("apply", "them")
+    return f"{', '.join(given)} only {verb} to --dataset; drop {pronoun} when training on --text-files."
+
+
 def is_integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -129,7 +135,7 @@ class FinetuneConfig:
         if self.text_files:
             given = [flag(name) for name, default in DATASET_SETTINGS.items() if getattr(self, name) != default]
             if given:
-                raise ValueError(f"{', '.join(given)} only apply to --dataset; drop them when training on --text-files.")
+                raise ValueError(dataset_flags_refusal(given))
         for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{flag(name)} must be True or False, got {getattr(self, name)!r}.")
@@ -293,11 +299,23 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(group, dataset_split="train")
     add_attn_implementation_argument(group)
     add_dataclass_arguments(parser.add_argument_group("training"), FinetuneConfig, exclude=SHARED_FIELDS)
+    # None until given: config_from_args refuses a dataset-only flag given with --text-files even at
+    # its default value (the help still names the default, which config_from_args fills in).
+    parser.set_defaults(**dict.fromkeys(DATASET_SETTINGS))
 
 
 def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
-    """The :class:`FinetuneConfig` of arguments parsed with :func:`add_finetune_arguments`."""
+    """The :class:`FinetuneConfig` of arguments parsed with :func:`add_finetune_arguments`.
+
+    Raises ``ValueError`` for a dataset-only flag given with ``--text-files``: here, where it is
+    known whether the flag was given, not only whether its value differs from the default."""
     values = {name: getattr(args, name) for name in FinetuneConfig.__dataclass_fields__}
     values["output_dir"] = str(values["output_dir"])
     values["text_files"] = [str(path) for path in values["text_files"]] or None
+    given = [flag(name) for name in DATASET_SETTINGS if values[name] is not None]
+    if values["text_files"] and not values["dataset"] and given:  # both: validate() says to give one
+        raise ValueError(dataset_flags_refusal(given))
+    for name, default in DATASET_SETTINGS.items():
+        if values[name] is None:
+            values[name] = default
     return FinetuneConfig(**values)
