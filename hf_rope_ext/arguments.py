@@ -84,16 +84,37 @@ def _non_empty(convert: type[str] | type[Path]) -> Any:
     return non_empty
 
 
+GIVEN_OPTIONS = "given_options"
+
+
+class _StoreAndRecord(argparse.Action):
+    """argparse's ``store``, which also adds the option's ``dest`` to the namespace's
+    ``given_options`` set: whether an option was given at all, even at its default value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        given = getattr(namespace, GIVEN_OPTIONS, None)
+        setattr(namespace, GIVEN_OPTIONS, (given or set()) | {self.dest})
+
+
+def given_options(args: argparse.Namespace) -> set[str]:
+    """The ``dest`` of each value option given on the command line (options made by :func:`add_option`)."""
+    return set(getattr(args, GIVEN_OPTIONS, None) or ())
+
+
 def add_option(parser, name: str, *aliases: str, **kwargs: Any) -> argparse.Action:
     """``parser.add_argument(name, ...)`` plus hidden alias spellings: ``aliases`` and the
     underscore spelling of ``name``. ``name`` is the dash spelling (``--text-files``).
-    A path or name option (``type`` str or Path) refuses an empty value (``--output-dir=``)."""
+    A path or name option (``type`` str or Path) refuses an empty value (``--output-dir=``).
+    A value option records that it was given (:func:`given_options`)."""
     if not name.startswith("--") or "_" in name:
         raise ValueError(f"Option names are spelled with dashes (--text-files), got {name!r}.")
     underscored = "--" + name[2:].replace("-", "_")
     hidden = [alias for alias in dict.fromkeys((underscored, *aliases)) if alias != name]
     if kwargs.get("action", "store") in ("store", "append", "extend") and kwargs.get("type", str) in (str, Path):
         kwargs["type"] = _non_empty(kwargs.get("type", str))
+    if kwargs.get("action", "store") == "store" and kwargs.get("nargs") != 0:
+        kwargs["action"] = _StoreAndRecord
     action = parser.add_argument(name, *hidden, **kwargs)
     setattr(action, _HIDDEN, tuple(hidden))
     return action

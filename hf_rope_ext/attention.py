@@ -1460,7 +1460,9 @@ class AttentionPatch:
             raise ValueError(
                 f"attention-level methods take the {end.tokens} cached tokens to sit just before the new ones, but the new "
                 f"position_ids start at {positions[:, 0].tolist()}, not {expected.tolist()}. Continue a cache with the "
-                "positions that follow it, or run the whole sequence in one forward."
+                "positions that follow it (a call without position_ids takes 0, 1, 2, ... in every row: give a padded "
+                "batch its own, attention_mask.cumsum(-1) - 1, from the first call on), or run the whole sequence in "
+                "one forward."
             )
 
     def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # huggingface_hub prints its records with its own handler and still passes them on to the root
+    # handler above, so each would show twice. Keep them to its handler, as transformers does.
+    logging.getLogger("huggingface_hub").propagate = False
     try:
         return args.handler(args)
     except (ValueError, TypeError, OverflowError, OSError, ImportError) as error:

@@ -38,10 +38,7 @@ _WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
               (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
 
 
-def check_text_file(path: str | Path) -> None:
-    """Refuse what :func:`read_text` cannot read as a file, naming the cause: a missing path, a
-    folder, a device or socket. A named pipe passes (it is read once)."""
-    path = Path(path)
+def _check_path(path: Path) -> None:
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder, not a text file; pass the text file(s) inside it.")
     if not path.exists():
@@ -51,17 +48,9 @@ def check_text_file(path: str | Path) -> None:
         raise ValueError(f"{path} is not a regular file (a device or socket); pass a text file.")
 
 
-def read_text(path: str | Path, strip_header: bool = True) -> str:
-    """Read a UTF-8 text file; raises a clear error if it is missing, empty or not UTF-8 text.
-
-    A UTF-8 byte-order mark is dropped. Binary files (with NUL bytes), UTF-16/32 files and files
-    of which more than :data:`MAX_UNDECODABLE_FRACTION` of the bytes are not UTF-8 (another
-    encoding) are refused; a few undecodable bytes are replaced by U+FFFD with a warning that
-    gives their count. A named pipe (``<(zcat book.gz)``) is read once, like a file.
-    """
-    path = Path(path)
-    check_text_file(path)
-    data = path.read_bytes()
+def _decode(path: Path, data: bytes) -> tuple[str, int]:
+    """The text of ``data`` with each undecodable byte as a lone surrogate, and their count; refuses
+    what is not UTF-8 text."""
     wide = next((name for bom, name in _WIDE_BOMS if data.startswith(bom)), None)
     if wide is not None:
         raise ValueError(
@@ -74,12 +63,36 @@ def read_text(path: str | Path, strip_header: bool = True) -> str:
     # utf-8-sig drops a byte-order mark, which would otherwise hide a Gutenberg header behind it.
     text = data.decode("utf-8-sig", errors="surrogateescape")
     undecodable = sum(1 for char in text if "\udc80" <= char <= "\udcff")
+    if undecodable > MAX_UNDECODABLE_FRACTION * len(data):
+        raise ValueError(
+            f"{path}: {undecodable} of its {len(data)} bytes are not valid UTF-8, so it is not UTF-8 text (another "
+            "encoding, or a binary file). Convert it first, e.g. iconv -f latin1 -t utf-8."
+        )
+    return text, undecodable
+
+
+def check_text_file(path: str | Path) -> None:
+    """Refuse what :func:`read_text` cannot read, naming the cause: a missing path, a folder, a
+    device or socket, a file that is not UTF-8 text. Cheap next to loading a model, so commands
+    call it first. A named pipe passes unread (it can be read only once)."""
+    path = Path(path)
+    _check_path(path)
+    if stat.S_ISREG(path.stat().st_mode):
+        _decode(path, path.read_bytes())
+
+
+def read_text(path: str | Path, strip_header: bool = True) -> str:
+    """Read a UTF-8 text file; raises a clear error if it is missing, empty or not UTF-8 text.
+
+    A UTF-8 byte-order mark is dropped. Binary files (with NUL bytes), UTF-16/32 files and files
+    of which more than :data:`MAX_UNDECODABLE_FRACTION` of the bytes are not UTF-8 (another
+    encoding) are refused; a few undecodable bytes are replaced by U+FFFD with a warning that
+    gives their count. A named pipe (``<(zcat book.gz)``) is read once, like a file.
+    """
+    path = Path(path)
+    _check_path(path)
+    text, undecodable = _decode(path, path.read_bytes())
     if undecodable:
-        if undecodable > MAX_UNDECODABLE_FRACTION * len(data):
-            raise ValueError(
-                f"{path}: {undecodable} of its {len(data)} bytes are not valid UTF-8, so it is not UTF-8 text (another "
-                "encoding, or a binary file). Convert it first, e.g. iconv -f latin1 -t utf-8."
-            )
         logger.warning("%s: %d byte(s) are not valid UTF-8 and were replaced by U+FFFD.", path, undecodable)
         text = "".join("\ufffd" if "\udc80" <= char <= "\udcff" else char for char in text)
     if strip_header:

@@ -433,11 +433,16 @@ def read_checked_config(name_or_path: str | os.PathLike, **config_kwargs: Any):
     from transformers import AutoConfig, PretrainedConfig
     from huggingface_hub.errors import StrictDataclassError
 
-    from .loading import expand_home, is_missing_folder
+    from .loading import check_hub_model, expand_home, is_missing_folder
 
     name_or_path = expand_home(name_or_path)
     if is_missing_folder(name_or_path):
         raise FileNotFoundError(f"Checkpoint folder not found: {name_or_path}.")
+    if Path(name_or_path).is_file():  # config.json itself, or a weights file: transformers calls it bad JSON
+        raise ValueError(
+            f"{name_or_path} is a file; pass the checkpoint folder that holds it ({Path(name_or_path).parent})."
+        )
+    check_hub_model(str(name_or_path), **config_kwargs)
     folder = Path(name_or_path) / config_kwargs.get("subfolder", "")
     if Path(name_or_path).is_dir() and not (folder / "config.json").is_file():
         raise FileNotFoundError(

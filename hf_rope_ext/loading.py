@@ -152,6 +152,57 @@ def is_missing_folder(name_or_path: str | os.PathLike) -> bool:
     )
 
 
+def check_hub_model(name: str, *, revision: str | None = None, token: Any = None, cache_dir: Any = None,
+                    local_files_only: bool = False, subfolder: str = "", **_: Any) -> None:
+    """Refuse in one line, before transformers' slow retries, a name that is no local path and
+    that the Hub cannot give: not a valid repo id, not cached while offline, not on the Hub, or
+    the Hub out of reach. A cached model, or one the Hub lists, passes."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if Path(name).exists():
+        return
+    where = f"There is no local folder named {name!r}"
+    try:
+        cached = try_to_load_from_cache(name, "/".join(filter(None, (subfolder, "config.json"))),
+                                        cache_dir=cache_dir, revision=revision)
+    except HFValidationError as error:
+        reason = _one_line(error).rstrip(".")
+        raise FileNotFoundError(f"{where}, and it is not a Hub id ({reason}). Check the path.") from None
+    if isinstance(cached, str):  # transformers reads it from the cache, with or without a connection
+        return
+    if local_files_only or constants.is_offline_mode():
+        raise FileNotFoundError(
+            f"{where}, and it is not in the Hub cache (offline: HF_HUB_OFFLINE or local_files_only). Check the path, "
+            "or download it with a connection."
+        )
+    try:  # one request; transformers would retry an unreachable Hub for about 25 s
+        HfApi().model_info(name, revision=revision, token=token)
+    except GatedRepoError:  # it exists; transformers says how to get access
+        return
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise FileNotFoundError(
+            f"{where}, and the Hub has no model {name!r} (or it is private: log in or pass token=). Check the path."
+        ) from None
+    except HfHubHTTPError:  # the Hub answered otherwise (rate limit, server error): transformers reports it
+        return
+    except Exception as error:  # no connection (DNS, refused, timeout): httpx's errors have no common base here
+        raise OSError(
+            f"{where}, and the Hub could not be reached to look for model {name!r} ({type(error).__name__}: "
+            f"{_one_line(error).rstrip('.')}). Check the path, or retry with a connection."
+        ) from None
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def expand_home(name_or_path: str | os.PathLike) -> str:
     """``~/ckpt`` as the folder it names; other names as they are (no Hub id starts with ``~``, and
     transformers would read ``~/ckpt`` as one)."""
@@ -173,6 +224,7 @@ def resolve_model_path(name_or_path: str) -> str:
             f"Model folder not found: {name_or_path}. Pass an existing checkpoint folder, 'smollm2', or a Hub id "
             "(org/name)."
         )
+    check_hub_model(name_or_path)
     return name_or_path
 
 

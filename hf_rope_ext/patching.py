@@ -189,7 +189,7 @@ def patch_model(
     max_length: int | None = None,
     original_max_length: int | None = None,
     steps_per_doubling: Any = NOT_GIVEN,
-    logn_attention: bool = False,
+    logn_attention: bool | None = None,
     **params: Any,
 ) -> nn.Module:
     """Extend the context of a loaded RoPE model in place; returns the same model.
@@ -214,7 +214,8 @@ def patch_model(
             doubling instead of at every token past the length it was filled for.
         logn_attention: multiply the attention logits of the query at position ``i`` by
             ``max(1, ln(i + 1) / ln(L0))`` (log-n attention temperature), with any method.
-            Also spelled as a ``+logn`` suffix of the method name (``"self-extend+logn"``).
+            Also spelled as a ``+logn`` suffix of the method name (``"self-extend+logn"``);
+            the suffix with ``logn_attention=False`` is refused. Default (None): off.
         **params: the method's own parameters (e.g. ``beta_fast=32`` for yarn; ``group_size``,
             ``neighbor_window`` and ``far_positions`` (``"grouped"`` or ``"by-parts"``) for
             self-extend; ``chunk_size`` and ``local_window`` for dual-chunk).
@@ -284,7 +285,7 @@ def _patch_auto(model, scale, max_length, original_max_length, steps_per_doublin
             f"method='auto' chooses the method's parameters itself; it takes {', '.join(_AUTO_OPTIONS)}, "
             f"not {', '.join(unknown)}. Name a method to set its parameters."
         )
-    if steps_per_doubling is not NOT_GIVEN or logn_attention is not False:
+    if steps_per_doubling is not NOT_GIVEN or logn_attention not in (None, False):
         raise ValueError(
             "method='auto' chooses among whole configurations; steps_per_doubling and logn_attention are not taken "
             "(list 'self-extend+logn' among candidates= to try log-n attention)."

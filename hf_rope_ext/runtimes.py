@@ -256,6 +256,8 @@ def runtime_settings(
         # rope_theta overflows ntk's raised base to inf, which no runtime can be given).
         checked_frequencies(patch.rope_method, patch.rotary_dim, patch.original_rope_theta, patch.resolved_params(),
                             patch.extended_context)  # fmt: skip
+    if model_type is not None and model_type != found_type:
+        _check_model_type(model_type, patch)
     model_type = model_type or found_type
     vllm, llama_cpp = (_translate(patch, runtime, model_type) for runtime in RUNTIMES)
     if patch.logn_attention:
@@ -268,6 +270,29 @@ def runtime_settings(
         vllm=vllm,
         llama_cpp=llama_cpp,
     )
+
+
+def _check_model_type(model_type: str, patch: PatchSpec) -> None:
+    """Refuse a patch that patch_model would refuse on a model of ``model_type`` given by name:
+    an unsupported family, or a rope type its config class rejects (Phi-3: longrope only)."""
+    check_supported(model_type)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(model_type)  # the class's defaults; its validator is what matters
+    except ValueError:  # a type transformers does not know: only its GGUF key names are used
+        return
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or not hasattr(config, "rope_parameters"):  # no RoPE config to check against
+        return
+    # Rotary dimensions as described, so that validators which count frequency factors agree.
+    config.hidden_size = patch.rotary_dim * heads
+    if hasattr(config, "head_dim"):
+        config.head_dim = patch.rotary_dim
+    if hasattr(config, "original_max_position_embeddings"):  # Phi-3's default (4096) would warn of a mismatch
+        config.original_max_position_embeddings = patch.original_max_position_embeddings
+    parameters, length = _rope_as(patch)
+    compat.write_rope_config(config, {"partial_rotary_factor": 1.0, **parameters}, length)
 
 
 def _translate(patch: PatchSpec, runtime: str, model_type: str | None) -> RuntimeCommand:

@@ -117,16 +117,21 @@ def resolve_scale(scale: Any, max_length: Any, original_length: int) -> float:
     return whole_token_scale(check_scale(scale), original_length)
 
 
-def split_method_spec(method: Any, logn_attention: Any = False) -> tuple[Any, bool]:
-    """``"yarn+logn"`` -> ``("yarn", True)``: the method name and whether log-n attention is on."""
-    if not isinstance(logn_attention, bool):
+def split_method_spec(method: Any, logn_attention: Any = None) -> tuple[Any, bool]:
+    """``"yarn+logn"`` -> ``("yarn", True)``: the method name and whether log-n attention is on.
+    ``logn_attention`` None: not given (off unless the suffix turns it on)."""
+    if logn_attention is not None and not isinstance(logn_attention, bool):
         raise TypeError(f"logn_attention must be True or False, got {logn_attention!r}.")
     if isinstance(method, str) and method.endswith(LOGN_SUFFIX):
         bare = method[: -len(LOGN_SUFFIX)]
         if bare.endswith(LOGN_SUFFIX):
             raise ValueError(f"method {method!r} repeats the {LOGN_SUFFIX!r} suffix; give it once.")
+        if logn_attention is False:
+            raise ValueError(
+                f"method {method!r} turns log-n attention on, but logn_attention=False; give one or the other."
+            )
         return bare, True
-    return method, logn_attention
+    return method, bool(logn_attention)
 
 
 def method_spec(method: str, logn_attention: bool) -> str:
@@ -225,7 +230,7 @@ class PatchSpec:
         original_max_length: int,
         max_length: int | None = None,
         steps_per_doubling: Any = NOT_GIVEN,
-        logn_attention: bool = False,
+        logn_attention: bool | None = None,
         rope_theta: float | None = None,
         rotary_dim: int | None = None,
         kept: Mapping[str, Any] | None = None,

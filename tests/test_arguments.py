@@ -184,3 +184,22 @@ def test_a_file_given_as_the_model_is_refused_naming_the_fix(tmp_path, capsys):
     line = _refused_at_parsing(build_parser().parse_args, ["auto", "--model", str(tmp_path / "book.txt"),
                                                            "--text-files", "x", "--scale", "4"], capsys)  # fmt: skip
     assert f"{tmp_path / 'book.txt'} is a file; pass the checkpoint folder (or a Hub id)" in line
+
+
+def test_a_huggingface_hub_warning_is_printed_once(tmp_path):
+    """huggingface_hub prints with its own handler; the command line's root handler must not print it again."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, sys\n"
+        "import hf_rope_ext.cli as cli\n"
+        "def noisy(args):\n"
+        "    logging.getLogger('huggingface_hub.utils._http').warning('the hub retries')\n"
+        "    return 0\n"
+        "cli._list_methods = noisy\n"
+        "sys.exit(cli.main(['methods']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("the hub retries") == 1, result.stderr

@@ -753,6 +753,21 @@ def test_logn_attention_must_be_a_bool():
         patch_model(model, scale=4, method="yarn", logn_attention="yes")
 
 
+def test_a_logn_suffix_with_logn_attention_false_is_refused():
+    """``"ntk+logn"`` and ``logn_attention=False`` contradict each other: log-n was turned on silently."""
+    model = make_model("llama")
+    with pytest.raises(ValueError, match=r"'ntk\+logn' turns log-n attention on, but logn_attention=False"):
+        patch_model(model, scale=2, method="ntk+logn", logn_attention=False)
+    assert get_patch_info(model) is None
+    for arguments in ({"method": "ntk+logn"}, {"method": "ntk+logn", "logn_attention": True},
+                      {"method": "ntk", "logn_attention": True}):
+        patch_model(model, scale=2, **arguments)
+        assert get_patch_info(model).logn_attention is True
+    for arguments in ({"method": "ntk", "logn_attention": False}, {"method": "ntk"}):
+        patch_model(model, scale=2, **arguments)
+        assert get_patch_info(model).logn_attention is False
+
+
 def test_unsupported_attention_implementation_is_refused():
     model = make_model("llama", attn_implementation="sdpa")
     model.config._attn_implementation = "flex_attention"

@@ -172,6 +172,22 @@ CLI_CASES = {
                                               "--device", "nonsense", "--methods", "none", "--ppl-lengths", "16",
                                               "--output-dir", "{folder}/out"],
                                              "--device nonsense is not a device torch knows; use cpu, cuda"),
+    "runtimes for a model type patch_model refuses": (DESCRIBED + ["--rotary-dim", "16", "--model-type", "gpt2"],
+                                                      "model_type 'gpt2' is not supported: learned absolute"),
+    "runtimes for phi3 with a rope type its config rejects": (DESCRIBED + ["--rotary-dim", "16", "--model-type",
+                                                                            "phi3"],
+                                                              "model_type 'phi3': its config rejects rope_type 'yarn'"),
+    "runtimes of a bare name that is no folder": (["runtimes", "--model-dir", "no-such-checkpoint-hf-rope-ext"],
+                                                  "no local folder named 'no-such-checkpoint-hf-rope-ext', and "),
+    "card of a bare name that is no folder": (["card", "--model-dir", "no-such-checkpoint-hf-rope-ext",
+                                               "--base-model", "org/base"],
+                                              "no local folder named 'no-such-checkpoint-hf-rope-ext', and "),
+    "eval of a bare name that is no folder": (["eval", "--model", "no-such-checkpoint-hf-rope-ext", "--text-file",
+                                               "{folder}/book.txt", "--methods", "none", "--ppl-lengths", "16",
+                                               "--output-dir", "{folder}/out"],
+                                              "no local folder named 'no-such-checkpoint-hf-rope-ext', and "),
+    "demo at scale 0": (["demo", "--model", "{folder}/base", "--scale", "0", "--text-file", "{folder}/book.txt",
+                         "--output-dir", "{folder}/demo-out"], r"Scales must be numbers > 1 .*got 0.0"),
     "auto with a scale beyond any context": (["auto", "--model", "{folder}/base", "--text-files", "{folder}/book.txt",
                                               "--scale", "1e308", "--no-cache"], "beyond the 2147483647 positions"),
 }  # fmt: skip
@@ -300,6 +316,30 @@ def test_eval_refuses_a_binary_text_file(checkpoint, tmp_path, capsys):
                  "--methods", "none", "--ppl-lengths", "16", "--output-dir", str(tmp_path / "out"), "--no-progress"])
     assert code == 2 and "binary file" in capsys.readouterr().err
     assert not (tmp_path / "out" / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "demo"])
+@pytest.mark.parametrize("content, message", [
+    ("w1 w2".encode("utf-16"), "is UTF-16 text"),
+    (bytes(range(256)) * 100, "binary file"),
+    ("w1 ".encode() + bytes(range(128, 256)) * 10, "are not valid UTF-8, so it is not UTF-8 text"),
+])  # fmt: skip
+def test_an_unreadable_text_file_is_refused_before_the_model_loads(checkpoint, tmp_path, capsys, monkeypatch, command,
+                                                                   content, message):
+    import hf_rope_ext.loading
+    from hf_rope_ext.cli import main
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the text file was checked")
+
+    monkeypatch.setattr(hf_rope_ext.loading, "load_model", not_loaded)
+    text = tmp_path / "book.txt"
+    text.write_bytes(content)
+    extra = ["--methods", "none", "--ppl-lengths", "16"] if command == "eval" else []
+    code = main([command, "--model", str(checkpoint / "base"), "--device", "cpu", "--text-file", str(text),
+                 "--output-dir", str(tmp_path / "out"), *extra])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
 
 
 # -- demo lengths ----------------------------------------------------------------------------------

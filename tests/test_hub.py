@@ -887,6 +887,57 @@ def test_runtime_messages_for_what_cannot_be_expressed():
         runtime_settings(qwen)
 
 
+def test_runtime_settings_check_a_model_type_given_by_name():
+    """What patch_model refuses on a model of that type, runtime_settings refuses for the type's name."""
+    yarn = describe_patch("yarn", 4, original_max_length=32, rope_theta=10000.0, rotary_dim=16)
+    for name in ("gpt2", "cohere", "opt"):
+        with pytest.raises(ValueError, match=f"model_type '{name}' is not supported"):
+            runtime_settings(yarn, model_type=name)
+    with pytest.raises(ValueError, match="model_type 'phi3': its config rejects rope_type 'yarn'"):
+        runtime_settings(yarn, model_type="phi3")
+    from conftest import TINY_SHAPE
+
+    phi3 = AutoModelForCausalLM.from_config(AutoConfig.for_model("phi3", **TINY_SHAPE, pad_token_id=0))
+    with pytest.raises(ValueError, match="its config rejects rope_type 'yarn'"):  # the reference: patch_model
+        patch_model(phi3, scale=4, method="yarn")
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    longrope = describe_patch("longrope", 4, original_max_length=32, rope_theta=10000.0, rotary_dim=16, **factors)
+    assert runtime_settings(longrope, model_type="phi3").scale == 4
+    assert runtime_settings(yarn, model_type="qwen2").llama_cpp.status == "exact"
+
+
+def test_a_bare_name_that_is_no_folder_fails_fast_in_one_line(tmp_path, monkeypatch):
+    """Not a local folder: a Hub id, but one the Hub cannot give is refused at once (no ~25 s of retries)."""
+    import huggingface_hub
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    started = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match="no local folder named 'nonexist', and it is not in the Hub cache"):
+        load_patched("nonexist")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    with pytest.raises(OSError, match="no local folder named 'org/nonexist', and the Hub could not be reached .*"
+                                      "ConnectionError: \\[Errno -2\\]"):
+        load_patched("org/nonexist")
+    with pytest.raises(FileNotFoundError, match="no local folder named 'a b', and it is not a Hub id"):
+        load_patched("a b")
+    assert time.perf_counter() - started < 5
+
+
+def test_load_patched_of_a_file_asks_for_the_folder(tmp_path):
+    model = make_model("llama")
+    patch_model(model, scale=2, method="yarn")
+    save_patched(model, tmp_path / "ckpt")
+    for name in ("config.json", "model.safetensors"):
+        with pytest.raises(ValueError, match=f"{name} is a file; pass the checkpoint folder that holds it"):
+            load_patched(tmp_path / "ckpt" / name)
+
+
 def test_runtime_settings_of_a_described_patch_and_the_cli(capsys):
     described = describe_patch("yarn", 4, original_max_length=8192, rope_theta=1e5, rotary_dim=64)
     settings = runtime_settings(described, model_type="llama")

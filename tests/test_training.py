@@ -976,8 +976,11 @@ def test_dataset_flags_keep_their_values_and_defaults_with_a_dataset():
     common = ["--model", "m", "--output-dir", "out", "--dataset", "d", "--scale", "4"]
     given = config_from_args(parser.parse_args([*common, "--dataset-split", "train", "--text-field", "body"]))
     assert (given.dataset_split, given.text_field, given.dataset_config, given.dataset_limit) == ("train", "body", None, None)
-    defaults = config_from_args(parser.parse_args(common))
-    fields = FinetuneConfig.__dataclass_fields__  # the dataclass's own defaults, filled in for flags not given
+    parsed = parser.parse_args(common)
+    # the parsed namespace itself holds the defaults the help names (add_finetune_arguments is public)
+    assert (parsed.dataset_split, parsed.text_field, parsed.dataset_config) == ("train", "text", None)
+    defaults = config_from_args(parsed)
+    fields = FinetuneConfig.__dataclass_fields__  # the dataclass's own defaults, for flags not given
     assert [getattr(defaults, name) for name in ("dataset_split", "text_field", "dataset_config", "dataset_limit")] == [
         fields[name].default for name in ("dataset_split", "text_field", "dataset_config", "dataset_limit")]
 

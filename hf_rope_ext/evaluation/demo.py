@@ -40,12 +40,14 @@ def demo_settings(native_context: int, on_gpu: bool, *, method: str = DEFAULT_ME
             f"The demo always runs the unpatched model ({NONE_METHOD}) as its baseline; choose a method to compare "
             "with it, e.g. --method yarn (default: the package's default)."
         )
+    if scale is None:  # not `scale or ...`: a given 0 must reach the plan's check and be refused
+        scale = 4.0 if on_gpu else 2.0
     if on_gpu:
-        settings = DemoSettings(method, scale or 4.0, 4 * native_context, (2 * native_context, 4 * native_context),
+        settings = DemoSettings(method, scale, 4 * native_context, (2 * native_context, 4 * native_context),
                                 (0.1, 0.3, 0.5, 0.7, 0.9), 2)  # fmt: skip
     else:
         length = native_context + native_context // 2
-        settings = DemoSettings(method, scale or 2.0, length, (length,), (0.25, 0.75), 1)
+        settings = DemoSettings(method, scale, length, (length,), (0.25, 0.75), 1)
     if ppl_length is not None:
         if ppl_length <= native_context:  # the table shows positions beyond the native context only
             raise EvaluationError(

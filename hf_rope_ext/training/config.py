@@ -23,6 +23,7 @@ from ..arguments import (
     add_dataclass_arguments,
     add_model_argument,
     add_output_dir_argument,
+    given_options,
 )
 from ..methods import get_method, plain_value
 from ..patching import original_context_length, resolve_scale
@@ -299,9 +300,6 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(group, dataset_split="train")
     add_attn_implementation_argument(group)
     add_dataclass_arguments(parser.add_argument_group("training"), FinetuneConfig, exclude=SHARED_FIELDS)
-    # None until given: config_from_args refuses a dataset-only flag given with --text-files even at
-    # its default value (the help still names the default, which config_from_args fills in).
-    parser.set_defaults(**dict.fromkeys(DATASET_SETTINGS))
 
 
 def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
@@ -312,10 +310,7 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
     values = {name: getattr(args, name) for name in FinetuneConfig.__dataclass_fields__}
     values["output_dir"] = str(values["output_dir"])
     values["text_files"] = [str(path) for path in values["text_files"]] or None
-    given = [flag(name) for name in DATASET_SETTINGS if values[name] is not None]
+    given = [flag(name) for name in DATASET_SETTINGS if name in given_options(args)]
     if values["text_files"] and not values["dataset"] and given:  # both: validate() says to give one
         raise ValueError(dataset_flags_refusal(given))
-    for name, default in DATASET_SETTINGS.items():
-        if values[name] is None:
-            values[name] = default
     return FinetuneConfig(**values)
