@@ -220,7 +220,9 @@ class SelfExtendRemap(PositionRemap):
         if self.group_size is not None:
             return self.group_size
         W, L0 = self.neighbor_window, self.original_length
-        group = 2
+        # A G that fits has p // G + W - W // G > (p - W) / G + W - 1, so G > (p - W) / (L0 - W + 1):
+        # no smaller one needs trying (a step at a time from 2 is quadratic in p / L0 over a forward).
+        group = max(2, (position - W) // (L0 - W + 1))
         while position // group + W - W // group >= L0:
             group += 1
         return group
@@ -1227,6 +1229,18 @@ class _PositionFacts:
         self.source, self.stamp = source, stamp
         self.max_position = int(source.max())
         self.keys: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._increasing: bool | None = None
+
+    def increasing(self) -> bool:
+        """Whether each row's positions increase, a packed row's restarting at its smallest
+        position (where :func:`_packed_bounds` cuts it)."""
+        if self._increasing is None:
+            rows = self.source.detach().cpu()
+            rises = rows[:, 1:] > rows[:, :-1]
+            if rows.shape[0] == 1:
+                rises |= rows[:, 1:] == rows.min()
+            self._increasing = bool(rises.all())
+        return self._increasing
 
     def key_positions(self, query_slot: int, key_offset: int, key_len: int) -> torch.Tensor:
         where = (query_slot, key_offset, key_len)
@@ -1344,12 +1358,26 @@ class AttentionPatch:
             return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if dropout and module.training:
             raise ValueError("attention-level methods do not support attention dropout during training; set it to 0.")
+        if attention_mask is None and not memo.increasing():
+            # Without a mask the kernels tell earlier keys from later ones by position (a mask
+            # would say it by slot): a repeated or decreasing position would let a token see later ones.
+            raise ValueError(
+                "attention-level methods need position_ids that increase along each sequence when the call has no "
+                f"attention mask (packed sequences restart at their smallest), got {_excerpt(position_ids)}; give each "
+                "token its own position, in order."
+            )
         unsupported = [name for name in UNSUPPORTED_ATTENTION_ARGUMENTS if kwargs.get(name) is not None]
         if unsupported:  # check_attention_modules refuses the known cases at patch time
             raise ValueError(
                 f"{type(module).__name__} passes {', '.join(unsupported)} to its attention function, which "
                 "attention-level methods do not apply; unpatch_model and use a frequency method (yarn, dynamic-yarn)."
             )
+        if torch.is_autocast_enabled(query.device.type):
+            # Under autocast the rotated queries and keys are float32 (cos/sin are) and the values
+            # already in the autocast type; the fused kernels are called below autocast, which
+            # would have cast all three for the model's own attention: do the same.
+            dtype = torch.get_autocast_dtype(query.device.type)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         if geometry is not None:
             query_slot, key_offset = geometry.query_offset, geometry.key_offset
         elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
@@ -1621,6 +1649,11 @@ def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict, output: A
             held = int(cache.get_seq_length())
             positions = torch.arange(held - inputs.shape[1], held).expand(inputs.shape[0], -1)
     return name, cache, positions
+
+
+def _excerpt(positions: torch.Tensor, count: int = 12) -> str:
+    row = positions[0].tolist()
+    return str(row[:count])[:-1] + (", ...]" if len(row) > count else "]")
 
 
 def _query_slot_from_mask(attention_mask: torch.Tensor, query_len: int, key_len: int) -> int:

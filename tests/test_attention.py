@@ -567,6 +567,19 @@ def test_group_per_query_reaches_the_edge_of_the_trained_distances_and_no_furthe
     assert groups == [next(g for g in range(2, i + 2) if i // g + 8 - 8 // g < L0) for i in range(L0, LENGTH)]
 
 
+def test_group_per_query_is_the_smallest_that_fits_far_beyond_the_trained_context():
+    """group_for starts its search at a bound no fitting group lies below (it stepped from 2, which
+    made a forward quadratic in position / L0: 18.7 s for 12 tokens at position 131072 with L0 = 32);
+    brute force from 2 agrees for small and extreme ratios and odd windows."""
+    cases = [(32, 8, range(32, 5000, 7)), (33, 1, range(33, 3000, 5)), (100, 99, range(100, 4000, 13)),
+             (8192, 2048, range(8192, 1 << 20, 4099)), (32, 16, [131071, 131072, 999_983])]
+    for original, window, positions in cases:
+        remap = attention_level.SelfExtendRemap(None, window, original)
+        for position in positions:
+            brute = next(g for g in range(2, position + 2) if position // g + window - window // g < original)
+            assert remap.group_for(position) == brute, (original, window, position)
+
+
 @pytest.mark.parametrize("window, group", [(8, None), (4096, None), (2048, None), (8, 3)])
 def test_query_chunks_are_cut_where_the_group_size_changes(window, group):
     """The cut points are the positions where the paper's group of a query (the smallest that keeps its
@@ -1619,3 +1632,42 @@ def test_layers_without_rope_keep_their_own_attention(method):
         torch.testing.assert_close(outputs["patched"], outputs["base"], atol=0, rtol=0)
         difference = (outputs["patched logits"] - outputs["base logits"]).abs().max().item()
         assert (difference > 1e-3) if remapped else difference == 0, (layers, difference)
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "self-extend-yarn"])
+def test_attention_level_methods_run_under_cpu_autocast(method):
+    """Under torch.autocast the rotated queries and keys come out float32 and the values bf16: the
+    fused kernels refused the mix beyond L0 (a raw dtype error). They now take all three in the
+    autocast type, as the model's own attention does, and stay as close to the float32 forward
+    (whose own accuracy the float64 references above check) as autocast keeps the unpatched model
+    to its own float32 forward (3% of the largest logit here)."""
+    model, unpatched = (make_model("llama", attn_implementation="sdpa") for _ in range(2))
+    patch_model(model, scale=4, method=method)
+    ids = random_ids(3 * L0)
+    errors = []
+    with torch.no_grad():
+        for each in (model, unpatched):
+            full = each(ids).logits
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                mixed = each(ids).logits.float()
+            errors.append((mixed - full).abs().max().item() / full.abs().max().item())
+    assert errors[0] < 2 * errors[1], errors
+
+
+def test_position_ids_that_repeat_or_go_down_without_a_mask_are_refused():
+    """Without a mask (sdpa's causal shortcut) the kernels tell earlier keys from later ones by
+    position: a repeated position let token 10 see token 11 (its logits moved by 0.27 when only token 11
+    changed). Such positions are refused beyond L0; packed sequences restarting at their smallest
+    position, gaps, and a mask (which says causality by slot) are still taken."""
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method="self-extend-yarn")
+    ids = random_ids(12)
+    with torch.no_grad():
+        for positions in ([0, 1, 1, 2, 2, 2, 40, 41, 41, 50, 60, 60], [0, 1, 2, 3, 40, 39, 41, 42, 50, 51, 60, 61]):
+            with pytest.raises(ValueError, match="need position_ids that increase along each sequence"):
+                model(ids, position_ids=torch.tensor([positions]))
+        # gaps, and packed sequences (restarting at 0) beyond L0
+        for positions in ([0, 1, 2, 3, 40, 41, 42, 50, 51, 60, 61, 62], [0, 1, 2, 40, 41, 42, 0, 1, 2, 50, 51, 52]):
+            model(ids, position_ids=torch.tensor([positions]))
+        inside = [0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9]  # inside L0 the model's own attention runs, as unpatched
+        model(ids, position_ids=torch.tensor([inside]))
