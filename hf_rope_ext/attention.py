@@ -426,6 +426,9 @@ def self_extend_remap(params: Mapping[str, Any], method: str = "self-extend") ->
     default) lets each query take the smallest group that keeps its distances below ``L0``.
     """
     original = int(params["original_max_position_embeddings"])
+    if original < 2:  # no window 1 <= W < L0 exists
+        raise ValueError(f"{method} needs an original context of at least 2 tokens (a neighbour window below it), "
+                         f"got {original}; use a frequency method (yarn, dynamic-yarn).")
     target = int(math.ceil(original * params["factor"]))
     window = params.get("neighbor_window")
     window = default_neighbor_window(original) if window is None else _whole_number(window, "neighbor_window", method)
@@ -453,21 +456,24 @@ def self_extend_remap(params: Mapping[str, Any], method: str = "self-extend") ->
     return remap
 
 
-def dual_chunk_remap(params: Mapping[str, Any]) -> DualChunkRemap:
-    """The :class:`DualChunkRemap` of resolved ``patch_model`` parameters, checked.
+def dual_chunk_remap(params: Mapping[str, Any], method: str = "dual-chunk") -> DualChunkRemap:
+    """The :class:`DualChunkRemap` of resolved ``patch_model`` parameters, checked (errors name ``method``).
 
     Defaults follow ChunkLlama: ``local_window = L0 // 16`` and ``chunk_size = 3 L0 // 4 - local_window``.
     """
     original = int(params["original_max_position_embeddings"])
+    if original < 2:  # no chunk_size + local_window < L0 with chunk_size >= 1 exists
+        raise ValueError(f"{method} needs an original context of at least 2 tokens (a chunk below it), got "
+                         f"{original}; use a frequency method (yarn, dynamic-yarn).")
     window = params.get("local_window")
-    window = original // 16 if window is None else _whole_number(window, "local_window", "dual-chunk")
+    window = original // 16 if window is None else _whole_number(window, "local_window", method)
     chunk = params.get("chunk_size")
-    chunk = (3 * original) // 4 - window if chunk is None else _whole_number(chunk, "chunk_size", "dual-chunk")
+    chunk = (3 * original) // 4 - window if chunk is None else _whole_number(chunk, "chunk_size", method)
     if window < 0:
-        raise ValueError(f"dual-chunk: local_window must be >= 0, got {window}.")
+        raise ValueError(f"{method}: local_window must be >= 0, got {window}.")
     if chunk < 1 or chunk + window >= original:
         raise ValueError(
-            f"dual-chunk: need 1 <= chunk_size and chunk_size + local_window < the original context {original}, "
+            f"{method}: need 1 <= chunk_size and chunk_size + local_window < the original context {original}, "
             f"got chunk_size={chunk}, local_window={window}; the longest distance it produces is their sum."
         )
     return DualChunkRemap(chunk, window, original)

@@ -1045,7 +1045,7 @@ for _method in (
         length_dependent=True,
         validate=_check_dynamic_yarn_dca,
         summary="dynamic-yarn up to frequencies_scale x L0 (default 2), then yarn at that scale under Dual Chunk Attention.",
-        attention=lambda params: _attention().dual_chunk_remap(params),
+        attention=lambda params: _attention().dual_chunk_remap(params, "dynamic-yarn-dca"),
         settle_length=_dynamic_yarn_dca_settle_length,
         runtimes=_builtin_runtimes("dynamic-yarn-dca"),
     ),
@@ -1058,7 +1058,7 @@ for _method in (
         validate=_check_dynamic_yarn_dca,  # the remaps check their own parameters when patching
         summary="self-extend (by-parts far positions) on the trained frequencies up to frequencies_scale x L0 "
                 "(default 2), then yarn at that scale under Dual Chunk Attention.",
-        attention=lambda params: _attention().dual_chunk_remap(params),
+        attention=lambda params: _attention().dual_chunk_remap(params, "self-extend-dca"),
         attention_below_settle=_self_extend_below_settle,
         settle_length=_dynamic_yarn_dca_settle_length,
         runtimes=_builtin_runtimes("self-extend-dca"),

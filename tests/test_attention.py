@@ -1671,3 +1671,13 @@ def test_position_ids_that_repeat_or_go_down_without_a_mask_are_refused():
             model(ids, position_ids=torch.tensor([positions]))
         inside = [0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9]  # inside L0 the model's own attention runs, as unpatched
         model(ids, position_ids=torch.tensor([inside]))
+
+
+@pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "dynamic-yarn-dca", "self-extend-dca", "self-extend-yarn"])
+def test_an_original_context_too_short_for_any_window_is_refused_naming_the_method(method):
+    """With L0 = 1 no neighbour window or chunk fits below it: the refusal says so and names the
+    method the user chose (dynamic-yarn-dca reported dual-chunk's chunk_size, which no one set)."""
+    model = make_model("llama", max_position_embeddings=1)
+    with pytest.raises(ValueError, match=rf"^{method} needs an original context of at least 2 tokens"):
+        patch_model(model, scale=4, method=method)
+    assert get_patch_info(model) is None
