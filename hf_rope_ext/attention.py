@@ -1733,10 +1733,12 @@ def check_attention_modules(model: nn.Module, config: Any, label: str, model_typ
     attention modules look up in transformers' registry (ALL_ATTENTION_FUNCTIONS)."""
     registry, bypassing = set(), set()
     for module in model.modules():
-        names = getattr(getattr(inspect.unwrap(type(module).forward), "__code__", None), "co_names", ())
-        if "ALL_ATTENTION_FUNCTIONS" in names:
+        # the names each forward of the class and its bases reads (a subclass may call super().forward)
+        names = [set(getattr(getattr(inspect.unwrap(vars(cls)["forward"]), "__code__", None), "co_names", ()))
+                 for cls in type(module).__mro__ if "forward" in vars(cls)]
+        if any("ALL_ATTENTION_FUNCTIONS" in each for each in names):
             registry.add(type(module).__name__)
-        elif "_attn_implementation" in names and type(module).__module__.startswith("transformers."):
+        elif names and "_attn_implementation" in names[0] and type(module).__module__.startswith("transformers."):
             bypassing.add(type(module).__name__)  # chooses its attention by name, outside the registry (Falcon)
     if bypassing or not registry:
         which = f" ({', '.join(sorted(bypassing))})" if bypassing else ""

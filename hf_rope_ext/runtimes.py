@@ -280,17 +280,18 @@ def _check_model_type(model_type: str, patch: PatchSpec) -> None:
 
     try:
         config = AutoConfig.for_model(model_type)  # the class's defaults; its validator is what matters
-    except ValueError:  # a type transformers does not know: only its GGUF key names are used
+        heads = getattr(config, "num_attention_heads", None)
+        if not isinstance(heads, int) or not all(hasattr(config, name) for name in ("rope_parameters", "max_position_embeddings")):
+            return  # no RoPE config to check against
+        # Rotary dimensions as described, so that validators which count frequency factors agree.
+        config.hidden_size = patch.rotary_dim * heads
+        if "head_dim" in vars(config):  # (a property on some classes: Falcon's)
+            config.head_dim = patch.rotary_dim
+        if hasattr(config, "original_max_position_embeddings"):  # Phi-3's default (4096) would warn of a mismatch
+            config.original_max_position_embeddings = patch.original_max_position_embeddings
+    except Exception:  # noqa: BLE001 - a type transformers does not know, or whose defaults cannot be set up
+        # like this (recurrent_gemma, gemma4): only its GGUF key names are used, as before this check
         return
-    heads = getattr(config, "num_attention_heads", None)
-    if not isinstance(heads, int) or not hasattr(config, "rope_parameters"):  # no RoPE config to check against
-        return
-    # Rotary dimensions as described, so that validators which count frequency factors agree.
-    config.hidden_size = patch.rotary_dim * heads
-    if hasattr(config, "head_dim"):
-        config.head_dim = patch.rotary_dim
-    if hasattr(config, "original_max_position_embeddings"):  # Phi-3's default (4096) would warn of a mismatch
-        config.original_max_position_embeddings = patch.original_max_position_embeddings
     parameters, length = _rope_as(patch)
     compat.write_rope_config(config, {"partial_rotary_factor": 1.0, **parameters}, length)
 

@@ -1681,3 +1681,24 @@ def test_an_original_context_too_short_for_any_window_is_refused_naming_the_meth
     with pytest.raises(ValueError, match=rf"^{method} needs an original context of at least 2 tokens"):
         patch_model(model, scale=4, method=method)
     assert get_patch_info(model) is None
+
+
+def test_a_users_subclass_of_a_registry_attention_is_patched():
+    """A subclass whose forward calls super().forward goes through the registry by its base class:
+    it was refused as bypassing it. It gives the same logits as the model without the subclass."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    class LoggedAttention(LlamaAttention):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    model, plain = (make_model("llama", attn_implementation="sdpa") for _ in range(2))
+    for layer in model.model.layers:
+        own = LoggedAttention(model.config, layer.self_attn.layer_idx)
+        own.load_state_dict(layer.self_attn.state_dict())
+        layer.self_attn = own
+    ids = random_ids(3 * L0)
+    for each in (model, plain):
+        patch_model(each, scale=4, method="self-extend")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, atol=0, rtol=0)

@@ -904,15 +904,24 @@ def test_runtime_settings_check_a_model_type_given_by_name():
     longrope = describe_patch("longrope", 4, original_max_length=32, rope_theta=10000.0, rotary_dim=16, **factors)
     assert runtime_settings(longrope, model_type="phi3").scale == 4
     assert runtime_settings(yarn, model_type="qwen2").llama_cpp.status == "exact"
+    # types whose default config cannot be set up as described (a head_dim property, no
+    # max_position_embeddings) are not checked, as before: falcon patches with yarn
+    for name in ("falcon", "recurrent_gemma"):
+        assert runtime_settings(yarn, model_type=name).scale == 4
 
 
 def test_a_bare_name_that_is_no_folder_fails_fast_in_one_line(tmp_path, monkeypatch):
     """Not a local folder: a Hub id, but one the Hub cannot give is refused at once (no ~25 s of retries)."""
     import huggingface_hub
 
+    from transformers import AutoConfig
+
+    def retried(*args, **kwargs):  # transformers' loading, where the slow retries happen, is never reached
+        raise AssertionError("transformers was asked to load it")
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(AutoConfig, "from_pretrained", retried)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    started = time.perf_counter()
     with pytest.raises(FileNotFoundError, match="no local folder named 'nonexist', and it is not in the Hub cache"):
         load_patched("nonexist")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -926,7 +935,6 @@ def test_a_bare_name_that_is_no_folder_fails_fast_in_one_line(tmp_path, monkeypa
         load_patched("org/nonexist")
     with pytest.raises(FileNotFoundError, match="no local folder named 'a b', and it is not a Hub id"):
         load_patched("a b")
-    assert time.perf_counter() - started < 5
 
 
 def test_load_patched_of_a_file_asks_for_the_folder(tmp_path):
