@@ -1235,18 +1235,23 @@ class _PositionFacts:
         self.source, self.stamp = source, stamp
         self.max_position = int(source.max())
         self.keys: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._increasing: bool | None = None
+        self._out_of_order: dict[tuple[int, ...] | None, tuple[int, int] | None] = {}
 
-    def increasing(self) -> bool:
-        """Whether each row's positions increase, a packed row's restarting at its smallest
-        position (where :func:`_packed_bounds` cuts it)."""
-        if self._increasing is None:
+    def out_of_order(self, bounds: tuple[int, ...] | None = None) -> tuple[int, int] | None:
+        """The first (row, token) whose position does not exceed the one before (None: every
+        row's increase). A row packs sequences where :func:`_packed_bounds` cuts it: at ``bounds``
+        (``cu_seq_lens_q``) if given, else, in a batch of one, where its positions restart at their
+        smallest."""
+        if bounds not in self._out_of_order:
             rows = self.source.detach().cpu()
             rises = rows[:, 1:] > rows[:, :-1]
-            if rows.shape[0] == 1:
+            if bounds is not None:
+                rises[:, [b - 1 for b in bounds if 0 < b < rows.shape[1]]] = True
+            elif rows.shape[0] == 1:
                 rises |= rows[:, 1:] == rows.min()
-            self._increasing = bool(rises.all())
-        return self._increasing
+            wrong = (~rises).nonzero()  # row-major: the first row's first
+            self._out_of_order[bounds] = (int(wrong[0, 0]), int(wrong[0, 1]) + 1) if len(wrong) else None
+        return self._out_of_order[bounds]
 
     def key_positions(self, query_slot: int, key_offset: int, key_len: int) -> torch.Tensor:
         where = (query_slot, key_offset, key_len)
@@ -1364,14 +1369,19 @@ class AttentionPatch:
             return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if dropout and module.training:
             raise ValueError("attention-level methods do not support attention dropout during training; set it to 0.")
-        if attention_mask is None and not memo.increasing():
+        if attention_mask is None:
             # Without a mask the kernels tell earlier keys from later ones by position (a mask
             # would say it by slot): a repeated or decreasing position would let a token see later ones.
-            raise ValueError(
-                "attention-level methods need position_ids that increase along each sequence when the call has no "
-                f"attention mask (packed sequences restart at their smallest), got {_excerpt(position_ids)}; give each "
-                "token its own position, in order."
-            )
+            cuts = kwargs.get("cu_seq_lens_q")
+            wrong = memo.out_of_order(None if cuts is None else tuple(int(b) for b in cuts.reshape(-1).tolist()))
+            if wrong is not None:
+                row, token = wrong
+                before, at = position_ids[row, token - 1].item(), position_ids[row, token].item()
+                raise ValueError(
+                    "attention-level methods need position_ids that increase along each sequence when the call has no "
+                    f"attention mask; row {row} goes from {before} to {at} at token {token}. Give each token its own "
+                    "position in order; pack sequences (restarting at 0) one row per batch, or pass an attention mask."
+                )
         unsupported = [name for name in UNSUPPORTED_ATTENTION_ARGUMENTS if kwargs.get(name) is not None]
         if unsupported:  # check_attention_modules refuses the known cases at patch time
             raise ValueError(
@@ -1657,11 +1667,6 @@ def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict, output: A
     return name, cache, positions
 
 
-def _excerpt(positions: torch.Tensor, count: int = 12) -> str:
-    row = positions[0].tolist()
-    return str(row[:count])[:-1] + (", ...]" if len(row) > count else "]")
-
-
 def _query_slot_from_mask(attention_mask: torch.Tensor, query_len: int, key_len: int) -> int:
     """The cache slot of the first query, read from a 4-D mask: the last query row's last allowed
     column is its own slot (in the row with the most tokens: a padded query does not see itself)."""
@@ -1733,9 +1738,13 @@ def check_attention_modules(model: nn.Module, config: Any, label: str, model_typ
     attention modules look up in transformers' registry (ALL_ATTENTION_FUNCTIONS)."""
     registry, bypassing = set(), set()
     for module in model.modules():
-        # the names each forward of the class and its bases reads (a subclass may call super().forward)
-        names = [set(getattr(getattr(inspect.unwrap(vars(cls)["forward"]), "__code__", None), "co_names", ()))
-                 for cls in type(module).__mro__ if "forward" in vars(cls)]
+        # the names the forwards that run read: the class's own, and its bases' while each calls super()
+        names: list[set] = []
+        for cls in type(module).__mro__:
+            if "forward" in vars(cls):
+                names.append(set(getattr(getattr(inspect.unwrap(vars(cls)["forward"]), "__code__", None), "co_names", ())))
+                if "super" not in names[-1]:
+                    break
         if any("ALL_ATTENTION_FUNCTIONS" in each for each in names):
             registry.add(type(module).__name__)
         elif names and "_attn_implementation" in names[0] and type(module).__module__.startswith("transformers."):

@@ -1671,6 +1671,30 @@ def test_position_ids_that_repeat_or_go_down_without_a_mask_are_refused():
             model(ids, position_ids=torch.tensor([positions]))
         inside = [0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9]  # inside L0 the model's own attention runs, as unpatched
         model(ids, position_ids=torch.tensor([inside]))
+        # a batch packs no sequences in a row: the message names the row and where it goes down
+        rows = torch.tensor([list(range(40, 52)), [40, 41, 42, 43, 44, 45, 0, 1, 2, 3, 4, 5]])
+        with pytest.raises(ValueError, match="row 1 goes from 45 to 0 at token 6.*one row per batch"):
+            model(ids.expand(2, -1), position_ids=rows)
+
+
+def test_packed_sequences_given_by_cu_seq_lens_keep_their_own_positions():
+    """Flash-style packing with cu_seq_lens: each sequence may keep its true offset (a continuation
+    window starting at 5 or 3); it is cut where cu_seq_lens says, not where positions restart at the
+    row's smallest, and equals each sequence run alone (it was refused as out of order)."""
+    model = _as_flash_attention(make_model("llama", attn_implementation="sdpa"))
+    alone = make_model("llama", attn_implementation="sdpa")
+    for each in (model, alone):
+        patch_model(each, scale=4, method="self-extend")
+    segments = [list(range(5, 45)), list(range(0, 50)), list(range(3, 43))]
+    positions = torch.tensor([sum(segments, [])])
+    ids = random_ids(positions.shape[1])
+    cuts = torch.tensor([0, 40, 90, 130], dtype=torch.int32)
+    with torch.no_grad():
+        packed = model(ids, position_ids=positions, cu_seq_lens_q=cuts, cu_seq_lens_k=cuts, max_length_q=50,
+                       max_length_k=50).logits
+        each = torch.cat([alone(ids[:, a:b], position_ids=torch.tensor([segment])).logits
+                          for a, b, segment in zip(cuts[:-1], cuts[1:], segments)], dim=1)
+    torch.testing.assert_close(packed, each, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["self-extend", "dual-chunk", "dynamic-yarn-dca", "self-extend-dca", "self-extend-yarn"])
@@ -1702,3 +1726,25 @@ def test_a_users_subclass_of_a_registry_attention_is_patched():
         patch_model(each, scale=4, method="self-extend")
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, atol=0, rtol=0)
+
+
+def test_a_users_subclass_with_an_attention_of_its_own_is_refused():
+    """A subclass whose forward computes attention itself (no super().forward, no registry) never
+    calls the patch's attention: it was accepted and the patch changed nothing beyond L0."""
+    import torch.nn.functional as F
+    from transformers.models.llama import modeling_llama
+
+    class OwnAttention(modeling_llama.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+            shape = (*hidden_states.shape[:2], -1, self.head_dim)
+            q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+            q, k = modeling_llama.apply_rotary_pos_emb(q, k, *position_embeddings)
+            k, v = (t.repeat_interleave(self.num_key_value_groups, 1) for t in (k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+            return self.o_proj(out.reshape(*hidden_states.shape[:2], -1)), None
+
+    model = make_model("llama", attn_implementation="sdpa")
+    for layer in model.model.layers:
+        layer.self_attn = OwnAttention(model.config, layer.self_attn.layer_idx)
+    with pytest.raises(ValueError, match="does not go through transformers' attention registry"):
+        patch_model(model, scale=4, method="self-extend")
