@@ -166,6 +166,8 @@ def check_hub_model(name: str, *, revision: str | None = None, token: Any = None
         RevisionNotFoundError,
     )
 
+    from .cli import one_line
+
     if Path(name).exists():
         return
     where = f"There is no local folder named {name!r}"
@@ -173,7 +175,7 @@ def check_hub_model(name: str, *, revision: str | None = None, token: Any = None
         cached = try_to_load_from_cache(name, "/".join(filter(None, (subfolder, "config.json"))),
                                         cache_dir=cache_dir, revision=revision)
     except HFValidationError as error:
-        reason = _one_line(error).rstrip(".")
+        reason = one_line(error).rstrip(".")
         raise FileNotFoundError(f"{where}, and it is not a Hub id ({reason}). Check the path.") from None
     if isinstance(cached, str):  # transformers reads it from the cache, with or without a connection
         return
@@ -195,12 +197,8 @@ def check_hub_model(name: str, *, revision: str | None = None, token: Any = None
     except Exception as error:  # no connection (DNS, refused, timeout): httpx's errors have no common base here
         raise OSError(
             f"{where}, and the Hub could not be reached to look for model {name!r} ({type(error).__name__}: "
-            f"{_one_line(error).rstrip('.')}). Check the path, or retry with a connection."
+            f"{one_line(error).rstrip('.')}). Check the path, or retry with a connection."
         ) from None
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def expand_home(name_or_path: str | os.PathLike) -> str:

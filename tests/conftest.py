@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import threading
 
 import pytest
 import torch
@@ -118,3 +120,49 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "runtimes" in item.keywords:
             item.add_marker(skip)
+
+
+def on_a_thread(run) -> dict:
+    """``run()`` (under no_grad) on a thread of its own, waited for: ``{"result": ...}``, or
+    ``{"error": ...}`` where it raised a RuntimeError (a refusal)."""
+    outcome = {}
+
+    def work():
+        try:
+            with torch.no_grad():
+                outcome["result"] = run()
+        except RuntimeError as error:
+            outcome["error"] = error
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    return outcome
+
+
+@contextlib.contextmanager
+def paused_on_a_thread(module, run):
+    """Start ``run()`` (under no_grad) on a thread of its own, which pauses when it reaches
+    ``module`` (a forward pre-hook) until the block ends; yields the dict its result goes in
+    (``"result"``, there once the block has ended)."""
+    inside, release, outcome = threading.Event(), threading.Event(), {}
+
+    def hold(*_):
+        if threading.current_thread() is thread:
+            inside.set()
+            release.wait(timeout=30)
+
+    def work():
+        with torch.no_grad():
+            outcome["result"] = run()
+
+    handle = module.register_forward_pre_hook(hold, with_kwargs=True)
+    thread = threading.Thread(target=work)
+    thread.start()
+    try:
+        assert inside.wait(timeout=30)
+        yield outcome
+    finally:
+        release.set()
+        thread.join()
+        handle.remove()

@@ -18,7 +18,16 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from hf_rope_ext import get_patch_info, patch_model, planned_length, unpatch_model
 from hf_rope_ext import attention as attention_level
 
-from conftest import ORIGINAL_CONTEXT, TINY_SHAPE, make_model, native_twin, random_ids, strengthen_weights
+from conftest import (
+    ORIGINAL_CONTEXT,
+    TINY_SHAPE,
+    make_model,
+    native_twin,
+    on_a_thread,
+    paused_on_a_thread,
+    random_ids,
+    strengthen_weights,
+)
 
 L0 = ORIGINAL_CONTEXT
 LENGTH = 100  # > 3 x L0
@@ -1459,42 +1468,18 @@ def test_a_forward_on_another_thread_meanwhile_is_refused():
     """The per-forward state of an attention-level patch belongs to one forward: a second thread
     starting a forward while one runs is refused in one line (it computed wrong logits before),
     and the first forward's result is untouched; after it, the other thread may run."""
-    import threading
-
     model = make_model("llama", attn_implementation="sdpa")
     patch_model(model, scale=4, method="self-extend", neighbor_window=8)
     ids = random_ids(LENGTH)
     with torch.no_grad():
         expected = model(ids).logits
-    inside, release, outcome = threading.Event(), threading.Event(), {}
-
-    def hold(module, args, kwargs):  # the first forward waits half way for the second thread's attempt
-        inside.set()
-        release.wait(timeout=30)
-
-    handle = model.model.layers[1].register_forward_pre_hook(hold, with_kwargs=True)
-
-    def first():
-        with torch.no_grad():
-            outcome["first"] = model(ids).logits
-
-    thread = threading.Thread(target=first)
-    thread.start()
-    try:
-        assert inside.wait(timeout=30)
+    # the first forward waits half way for the second thread's attempt
+    with paused_on_a_thread(model.model.layers[1], lambda: model(ids).logits) as first:
         with torch.no_grad(), pytest.raises(RuntimeError, match="running a forward on another thread"):
             model(ids)
-    finally:
-        release.set()
-        thread.join()
-        handle.remove()
     # (another thread may split reductions over its own intra-op threads: not bitwise)
-    torch.testing.assert_close(outcome["first"], expected, atol=1e-5, rtol=1e-5)
-    other = {}
-    worker = threading.Thread(target=lambda: other.setdefault("logits", model(ids).logits.detach()))
-    worker.start()
-    worker.join()
-    torch.testing.assert_close(other["logits"], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(first["result"], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(on_a_thread(lambda: model(ids).logits)["result"], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_an_interrupted_forward_leaves_no_memo_on_after_the_next_one_and_copies_start_fresh():
@@ -1503,7 +1488,6 @@ def test_an_interrupted_forward_leaves_no_memo_on_after_the_next_one_and_copies_
     buffer changed in place), and a copy of the model must not inherit the count (it would refuse
     every other thread)."""
     import copy
-    import threading
 
     def layer(model, hidden, positions):
         return model.model.layers[0](hidden, attention_mask=None, position_ids=positions,
@@ -1530,12 +1514,9 @@ def test_an_interrupted_forward_leaves_no_memo_on_after_the_next_one_and_copies_
         torch.testing.assert_close(layer(model, hidden, positions), layer(fresh, hidden, torch.arange(40, 100)[None]),
                                    atol=0, rtol=0)
     copied = copy.deepcopy(model)
-    outcome = {}
-    worker = threading.Thread(target=lambda: outcome.setdefault("logits", copied(ids).logits.detach()))
-    worker.start()
-    worker.join()
     with torch.no_grad():
-        torch.testing.assert_close(outcome["logits"], fresh(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(on_a_thread(lambda: copied(ids).logits)["result"], fresh(ids).logits,
+                                   atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["self-extend-dca", "dynamic-yarn-dca", "self-extend"])

@@ -18,7 +18,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import ORIGINAL_CONTEXT, make_model, native_twin, random_ids
+from conftest import ORIGINAL_CONTEXT, make_model, native_twin, on_a_thread, paused_on_a_thread, random_ids
 from transformers import DynamicCache
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -901,7 +901,6 @@ def test_a_length_dependent_patch_refuses_a_forward_on_another_thread_meanwhile(
     thread that started one meanwhile made the first compute with its length (0.70 off), and is
     now refused in one line. Each forward equals transformers' own dynamic type over its length,
     and once the first ends, the other thread may run."""
-    import threading
 
     model = make_model("llama", attn_implementation="sdpa")
     theirs = native_twin(model, {"rope_type": "dynamic", "factor": 4.0}, L0)
@@ -909,35 +908,12 @@ def test_a_length_dependent_patch_refuses_a_forward_on_another_thread_meanwhile(
     short, long = random_ids(L0 + 8), random_ids(3 * L0)
     with torch.no_grad():
         expected_short, expected_long = theirs(short).logits, theirs(long).logits
-    inside, release, outcome = threading.Event(), threading.Event(), {}
-
-    def hold(module, args, kwargs):  # the short forward waits between choosing and using its frequencies
-        if threading.current_thread().name == "first":
-            inside.set()
-            release.wait(timeout=30)
-
-    handle = model.model.rotary_emb.register_forward_pre_hook(hold, with_kwargs=True)
-
-    def first():
-        with torch.no_grad():
-            outcome["first"] = model(short).logits
-
-    thread = threading.Thread(target=first, name="first")
-    thread.start()
-    try:
-        assert inside.wait(timeout=30)
+    # the short forward waits between choosing its frequencies and using them
+    with paused_on_a_thread(model.model.rotary_emb, lambda: model(short).logits) as first:
         with torch.no_grad(), pytest.raises(RuntimeError, match="running a forward on another thread"):
             model(long)
-    finally:
-        release.set()
-        thread.join()
-        handle.remove()
-    torch.testing.assert_close(outcome["first"], expected_short, atol=1e-5, rtol=1e-5)
-    other = {}
-    worker = threading.Thread(target=lambda: other.setdefault("logits", model(long).logits.detach()))
-    worker.start()
-    worker.join()
-    torch.testing.assert_close(other["logits"], expected_long, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(first["result"], expected_short, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(on_a_thread(lambda: model(long).logits)["result"], expected_long, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["dynamic-yarn", "self-extend", "self-extend-dca"])
@@ -962,32 +938,17 @@ def test_a_forward_interrupted_by_ctrl_c_does_not_refuse_other_threads_later(met
         model(ids)
     handle.remove()
 
-    def run_on_a_thread(target):
-        outcome = {}
-
-        def work():
-            try:
-                with torch.no_grad():
-                    outcome["logits"] = target(ids).logits
-            except RuntimeError as error:
-                outcome["error"] = error
-
-        worker = threading.Thread(target=work)
-        worker.start()
-        worker.join()
-        return outcome
-
-    outcome = run_on_a_thread(model)
+    outcome = on_a_thread(lambda: model(ids).logits)
     assert "error" not in outcome, outcome.get("error")
-    torch.testing.assert_close(outcome["logits"], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outcome["result"], expected, atol=1e-5, rtol=1e-5)
     with torch.no_grad():  # the interrupted thread itself goes on as before
         torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-5)
 
     inner = {}
 
     def from_inside(module, args, kwargs):  # while this forward runs, another thread's is refused
-        if not inner:
-            inner.update(run_on_a_thread(model))
+        if threading.current_thread() is threading.main_thread() and not inner:
+            inner.update(on_a_thread(lambda: model(ids).logits))
 
     handle = model.model.layers[1].register_forward_pre_hook(from_inside, with_kwargs=True)
     with torch.no_grad():
@@ -1001,28 +962,12 @@ def test_replicas_that_share_the_patch_refuse_each_others_forwards_meanwhile(met
     """nn.DataParallel's replicas are other module objects with the patched module's hooks (one
     patch): a replica's forward on another thread while one runs mixes their state, so it is
     refused like any other thread's."""
-    import threading
 
     model = make_model("llama", attn_implementation="sdpa")
     patch_model(model, scale=4, method=method)
     replica = model.model._replicate_for_data_parallel()  # what torch.nn.parallel.replicate makes of it
     ids = random_ids(3 * L0)
-    inside, release, outcome = threading.Event(), threading.Event(), {}
-
-    def hold(module, args, kwargs):
-        if threading.current_thread().name == "first":
-            inside.set()
-            release.wait(timeout=30)
-
-    handle = model.model.layers[1].register_forward_pre_hook(hold, with_kwargs=True)
-    thread = threading.Thread(target=lambda: outcome.setdefault("first", model(ids)), name="first")
-    thread.start()
-    try:
-        assert inside.wait(timeout=30)
+    with paused_on_a_thread(model.model.layers[1], lambda: model(ids)) as first:
         with torch.no_grad(), pytest.raises(RuntimeError, match="running a forward on another thread"):
             replica(ids)
-    finally:
-        release.set()
-        thread.join()
-        handle.remove()
-    assert "first" in outcome
+    assert "result" in first
