@@ -81,8 +81,8 @@ MASKED_RUN_BLOCKS = 16
 # Set once a fused CUDA kernel refuses a call (see _partial_attention).
 _FUSED_CUDA_FAILED = False
 # Query chunks of the one-pass two-regime kernel (hf_rope_ext.fused_attention): it holds no
-# score matrix at all, so a chunk is only cut where the regimes change; wide chunks keep the
-# GPU's multiprocessors busy (row blocks x heads programs per launch).
+# score matrix at all, and the consecutive chunks of a call run in one launch (see
+# _launch_two_regime), so chunks are cut only where the regimes change and at this size.
 QUERY_CHUNK_TWO_REGIME = 16384
 # Set once the two-regime kernel fails to compile or run (then the partial-softmax path runs).
 _TWO_REGIME_FAILED = False
@@ -828,24 +828,32 @@ def remapped_attention(
     query_positions, key_positions = facts.query_positions, facts.key_positions
     query_host, key_host, key_bounds, keys_sorted = facts.query_host, facts.key_host, facts.key_bounds, facts.keys_sorted
     q_lo, q_hi, k_lo, k_hi = facts.q_lo, facts.q_hi, facts.k_lo, facts.k_hi
-    inv_freq = inv_freq.to(query.device)
+    if inv_freq.device != query.device:  # the patch passes its copy on the device (one per forward)
+        inv_freq = inv_freq.to(query.device)
     regimes = _call_regimes(remap, q_hi, k_lo, inv_freq, max_distance)
     # Only the regimes some pair of this call can use: a decode step beyond L0 needs its own
     # group's keys, not every group's (each would re-rotate the whole cache).
     regimes = [r for r in regimes if r.classify is None or r.classify(q_lo, q_hi, k_lo, k_hi) != SKIP]
+    # Consecutive positions, the same in every row (no gaps, no padding): a regime that is a band
+    # of distances needs no mask there (see _add_band).
+    consecutive = facts.consecutive
+    two_regime = consecutive and _two_regime_kernel_applies(query, key, value) and allowed(0, min(1, query_len)) is None
     by_map: dict[str, torch.Tensor] = {}  # regimes sharing a key map share its rotated keys (dual chunk's three)
+    key_maps = list(dict.fromkeys(r.key_map_name for r in regimes if r.key_position is not None))
+    # For the kernel, every key map is rotated into one tensor: one launch then reaches each
+    # group's keys as a slice of it, with no copy (see fused_attention.two_regime_attention).
+    stacked_keys = key.new_empty((len(key_maps), *key.shape)) if two_regime and len(key_maps) > 1 else None
     rotated_keys = []
     for regime in regimes:
         if regime.key_position is None:
             rotated_keys.append(key)
             continue
         if regime.key_map_name not in by_map:
-            by_map[regime.key_map_name] = _apply_rotation(key, *tables.get(regime, key_positions, inv_freq))
+            rotated = _apply_rotation(key, *tables.get(regime, key_positions, inv_freq))
+            if stacked_keys is not None:
+                rotated = stacked_keys[len(by_map)].copy_(rotated)
+            by_map[regime.key_map_name] = rotated
         rotated_keys.append(by_map[regime.key_map_name])
-    # Consecutive positions, the same in every row (no gaps, no padding): a regime that is a band
-    # of distances needs no mask there (see _add_band).
-    consecutive = facts.consecutive
-    two_regime = consecutive and _two_regime_kernel_applies(query, key, value) and allowed(0, min(1, query_len)) is None
     default_chunk = QUERY_CHUNK_CUDA if query.device.type == "cuda" else QUERY_CHUNK
     if two_regime:
         default_chunk = QUERY_CHUNK_TWO_REGIME
@@ -857,24 +865,9 @@ def remapped_attention(
         cuts = torch.searchsorted(row, torch.tensor(breaks, dtype=row.dtype)).tolist() if breaks else []
         starts = sorted(set(starts).union(cut for cut in cuts if 0 < cut < query_len))
     outputs = []
-    for start, end in zip(starts, starts[1:] + [query_len]):
-        q = query[:, :, start:end]
-        pq = query_positions[:, start:end]
-        if logn_length is not None:
-            q = (q.float() * logn_factor(pq, logn_length).to(q.device, torch.float32)[:, None, :, None]).to(q.dtype)
-        base = allowed(start, end)  # (B, 1, C, Tk) or None
-        chunk_lo, chunk_hi = int(query_host[:, start:end].min()), int(query_host[:, start:end].max())
-        # Keys after the chunk's last query are never visible (causal): stop there.
-        if keys_sorted:
-            last_key = int(torch.searchsorted(key_host, torch.full((batch, 1), chunk_hi), right=True).max())
-        else:
-            last_key = int((key_host <= chunk_hi).sum(dim=-1).max())
-        if two_regime and base is None:
-            output = _two_regime_chunk(q, pq, regimes, rotated_keys, value, chunk_lo, chunk_hi, k_lo, k_hi, inv_freq,
-                                       scaling)
-            if output is not None:
-                outputs.append(output)
-                continue
+
+    def tiles_output(q, pq, base, chunk_lo, chunk_hi, last_key):
+        """One query chunk by the partial-softmax path: each regime's tiles or bands, merged."""
         tiles = _Tiles(chunk_lo, chunk_hi, last_key, key_bounds, key_host)
         accumulator = _Accumulator()
         for regime, keys in zip(regimes, rotated_keys):
@@ -887,7 +880,45 @@ def remapped_attention(
                     _add_band(accumulator, qr, keys, value, band, chunk_lo, k_lo, scaling)
             else:
                 _add_regime(accumulator, regime, qr, keys, value, pq, key_positions, base, tiles, scaling)
-        outputs.append(accumulator.result().to(query.dtype))
+        return accumulator.result().to(query.dtype)
+
+    # Consecutive chunks that the two-regime kernel takes run in one launch (each with its own far
+    # keys): one launch per chunk left the GPU idle at every launch's tail. Their rotated queries
+    # are written into two tensors of the call's rows, which a launch reads a slice of.
+    kernel_run: list[_KernelChunk] = []
+    kernel_queries: list[torch.Tensor] = []  # (near, far), made at the first chunk the kernel takes
+
+    def launch_kernel_run():
+        if kernel_run:
+            outputs.extend(_launch_two_regime(kernel_run, *kernel_queries, value, scaling, tiles_output))
+            kernel_run.clear()
+
+    for start, end in zip(starts, starts[1:] + [query_len]):
+        q = query[:, :, start:end]
+        pq = query_positions[:, start:end]
+        if logn_length is not None:
+            q = (q.float() * logn_factor(pq, logn_length).to(q.device, torch.float32)[:, None, :, None]).to(q.dtype)
+        base = allowed(start, end)  # (B, 1, C, Tk) or None
+        chunk_lo, chunk_hi = int(query_host[:, start:end].min()), int(query_host[:, start:end].max())
+        # Keys after the chunk's last query are never visible (causal): stop there.
+        if keys_sorted:
+            last_key = int(torch.searchsorted(key_host, torch.full((batch, 1), chunk_hi), right=True).max())
+        else:
+            last_key = int((key_host <= chunk_hi).sum(dim=-1).max())
+        tile_arguments = (q, pq, base, chunk_lo, chunk_hi, last_key)
+        if two_regime and base is None:
+            if not kernel_queries:
+                kernel_queries.extend(torch.empty_like(query) for _ in range(2))
+            kernel_chunk = _two_regime_chunk(q, pq, regimes, rotated_keys, chunk_lo, chunk_hi, k_lo, k_hi, inv_freq,
+                                             tile_arguments, (start, end), kernel_queries)
+            if kernel_chunk is not None:
+                if kernel_run and not kernel_run[-1].continued_by(kernel_chunk):
+                    launch_kernel_run()
+                kernel_run.append(kernel_chunk)
+                continue
+        launch_kernel_run()
+        outputs.append(tiles_output(*tile_arguments))
+    launch_kernel_run()
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
@@ -925,15 +956,36 @@ def _two_regime_device(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _two_regime_chunk(q, pq, regimes, rotated_keys, value, chunk_lo, chunk_hi, k_lo, k_hi, inv_freq, scaling):
-    """One query chunk through the two-regime kernel, or None where its regimes are not two bands
-    that meet (near: distances ``0 ... W - 1``, far: ``W ... max``, every key position).
+@dataclass
+class _KernelChunk:
+    """One query chunk as the two-regime kernel takes it (see :func:`_two_regime_chunk`)."""
+
+    start: int  # its rows of the call, whose rotated queries are in the call's near/far tensors
+    end: int
+    near_keys: torch.Tensor
+    far_keys: torch.Tensor
+    first_distance: int  # P_q(first row) - P_k(first key)
+    window: int
+    max_distance: int | None
+    tile_arguments: tuple  # the same chunk for the partial-softmax path, should the kernel fail
+
+    def continued_by(self, other: _KernelChunk) -> bool:
+        """Whether ``other`` continues this chunk in one launch: the next rows, the same near keys and bands."""
+        return (other.start == self.end and other.near_keys is self.near_keys and other.window == self.window
+                and other.max_distance == self.max_distance
+                and other.first_distance == self.first_distance + self.end - self.start)
+
+
+def _two_regime_chunk(q, pq, regimes, rotated_keys, chunk_lo, chunk_hi, k_lo, k_hi, inv_freq,
+                      tile_arguments, rows, queries) -> _KernelChunk | None:
+    """One query chunk prepared for the two-regime kernel, or None where its regimes are not two
+    bands that meet (near: distances ``0 ... W - 1``, far: ``W ... max``, every key position).
+    Its queries, rotated for each regime, are written into ``queries`` (near, far) at ``rows``.
 
     Self-Extend's chunks beyond ``L0`` are (one far group per chunk: chunks are cut where the
     group changes); dual chunk's bands are key ranges, and fall back to the tiles."""
-    global _TWO_REGIME_FAILED
-    from . import fused_attention
-
+    if _TWO_REGIME_FAILED:
+        return None
     active = []
     for regime, keys in zip(regimes, rotated_keys):
         if regime.classify is not None and regime.classify(chunk_lo, chunk_hi, k_lo, k_hi) == SKIP:
@@ -950,18 +1002,40 @@ def _two_regime_chunk(q, pq, regimes, rotated_keys, value, chunk_lo, chunk_hi, k
         return None
     if chunk_lo < k_lo:
         return None
-    q_near = q if near.query_position is None else _rotate(q, _shift(near.query_position, pq), inv_freq)
-    q_far = q if far.query_position is None else _rotate(q, _shift(far.query_position, pq), inv_freq)
+    start, end = rows
+    for regime, target in zip((near, far), queries):
+        target[:, :, start:end] = q if regime.query_position is None else _rotate(q, _shift(regime.query_position, pq), inv_freq)
+    return _KernelChunk(start, end, near_keys, far_keys, chunk_lo - k_lo, int(window),
+                        None if far_band.hi == math.inf else int(far_band.hi), tile_arguments)
+
+
+def _launch_two_regime(run: list[_KernelChunk], near_queries: torch.Tensor, far_queries: torch.Tensor,
+                       value: torch.Tensor, scaling: float, tiles_output: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive kernel chunks in one launch of the two-regime kernel (each chunk's own far keys
+    by ``far_rows``); ``[output]``, or the chunks by the partial-softmax path if the kernel fails."""
+    global _TWO_REGIME_FAILED
+    from . import fused_attention
+
+    first, rows = run[0], slice(run[0].start, run[-1].end)
+    far_keys: list[torch.Tensor] = []
+    far_rows: list[int] = []
+    for chunk in run:  # chunks cut by QUERY_CHUNK_TWO_REGIME alone share their group's keys
+        if not far_keys or chunk.far_keys is not far_keys[-1]:
+            far_keys.append(chunk.far_keys)
+            far_rows.append(chunk.start - first.start)
     try:
-        return fused_attention.two_regime_attention(
-            q_near, q_far, near_keys, far_keys, value, first_distance=chunk_lo - k_lo, window=int(window),
-            scaling=scaling, max_distance=None if far_band.hi == math.inf else int(far_band.hi),
-        )
+        return [fused_attention.two_regime_attention(
+            near_queries[:, :, rows], far_queries[:, :, rows], first.near_keys, far_keys, value,
+            first_distance=first.first_distance, window=first.window, scaling=scaling, max_distance=first.max_distance,
+            far_rows=far_rows,
+        )]
+    except torch.OutOfMemoryError:
+        raise  # memory, as any other allocation of the forward: not a kernel that cannot run here
     except Exception as error:  # Triton's compile and launch errors have many types
         _TWO_REGIME_FAILED = True
         logger.warning("The two-regime attention kernel failed (%s: %s); using the partial-softmax path from now on.",
                        type(error).__name__, str(error).splitlines()[0] if str(error) else "")
-        return None
+        return [tiles_output(*chunk.tile_arguments) for chunk in run]
 
 
 def _call_regimes(remap: PositionRemap | None, q_hi: int, k_lo: int, inv_freq: torch.Tensor,
@@ -1236,6 +1310,15 @@ class _PositionFacts:
         self.max_position = int(source.max())
         self.keys: dict[tuple[int, int, int], torch.Tensor] = {}
         self._out_of_order: dict[tuple[int, ...] | None, tuple[int, int] | None] = {}
+        self._restarts: list[int] | None = None
+
+    def restarts(self) -> list[int]:
+        """Where the first row's positions equal its smallest: packed sequences start there (see
+        :func:`_packed_bounds`). Read once for every layer: a copy to the host waits for the device."""
+        if self._restarts is None:
+            row = self.source[0].detach().cpu()
+            self._restarts = torch.nonzero(row == row.min()).reshape(-1).tolist()
+        return self._restarts
 
     def out_of_order(self, bounds: tuple[int, ...] | None = None) -> tuple[int, int] | None:
         """The first (row, token) whose position does not exceed the one before (None: every
@@ -1315,6 +1398,8 @@ class AttentionPatch:
     hooks: list = field(default_factory=list)  # the model's forward hooks (before_forward, after_forward)
     # the caches this patch filled, and where it left each (tokens, each row's last position)
     filled: FilledCaches = field(default_factory=FilledCaches)
+    # inv_freq / inv_freq_below_settle on the devices the attention ran on, by device
+    frequencies_on: dict = field(default_factory=dict)
 
     def __deepcopy__(self, memo: dict) -> AttentionPatch:
         # A copied model (copy.deepcopy, as TRL makes reference models) needs a patch and registry
@@ -1324,7 +1409,8 @@ class AttentionPatch:
         memo[id(self)] = copied
         # The copy starts with no forward under way: the original's count and per-forward state
         # (made while one of its forwards ran, or left by an interrupted one) are not the copy's.
-        fresh = {"forward_threads": ForwardThreads(), "geometry": {}, "positions_memo": _PositionMemo(), "saved_lengths": []}
+        fresh = {"forward_threads": ForwardThreads(), "geometry": {}, "positions_memo": _PositionMemo(), "saved_lengths": [],
+                 "frequencies_on": {}}
         for item in fields(self):  # the caches the original filled are not the copy's (see FilledCaches)
             value = fresh[item.name] if item.name in fresh else copy.deepcopy(getattr(self, item.name), memo)
             setattr(copied, item.name, value)
@@ -1339,6 +1425,18 @@ class AttentionPatch:
     def remap_for(self, beyond_settle: bool) -> PositionRemap | None:
         """The remap used beyond a method's settle length (or always, without one), or below it."""
         return self.remap if beyond_settle else self.remap_below_settle
+
+    def _frequencies_on(self, inv_freq: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``inv_freq`` (one of the patch's own) on ``device``, copied once: a copy to the GPU at
+        every layer would wait there for the device each time."""
+        if inv_freq.device == device:
+            return inv_freq
+        copies = self.frequencies_on.setdefault(device, [])
+        for source, copied in copies:
+            if source is inv_freq:
+                return copied
+        copies.append((inv_freq, inv_freq.to(device)))
+        return copies[-1][1]
 
     def _current_remap(self) -> tuple[PositionRemap | None, torch.Tensor, KeyRotationTables]:
         """The remap of the current forward, the frequencies it rotates with, and its key tables."""
@@ -1357,8 +1455,10 @@ class AttentionPatch:
         if position_ids is None:
             first = geometry.query_offset if geometry is not None else key_len - query_len
             position_ids = torch.arange(first, first + query_len, device=query.device)[None]
-        position_ids = position_ids.to(query.device)
+        if position_ids.device != query.device:
+            position_ids = position_ids.to(query.device)
         remap, inv_freq, key_rotations = self._current_remap()
+        inv_freq = self._frequencies_on(inv_freq, query.device)
         memo = self.positions_memo.of(position_ids)
         # Layers without RoPE (SmolLM3's no_rope_layers) have no positions to remap.
         uses_rope = getattr(module, "use_rope", True)
@@ -1416,7 +1516,7 @@ class AttentionPatch:
         # transformers also takes for restarting positions when a cache is passed (use_cache's
         # default): each sequence is then computed alone, never seeing the next one's tokens.
         if attention_mask is None and (self.original_implementation in FLASH_IMPLEMENTATIONS or query_len == key_len):
-            bounds = _packed_bounds(position_ids, kwargs, query_len, key_len)
+            bounds = _packed_bounds(position_ids, kwargs, query_len, key_len, memo)
         if bounds is None:
             allowed = _mask_reader(attention_mask, query_len, key_len, position_ids, key_positions)
             output = self._remapped(query, key, value, position_ids, key_positions, allowed, remap, inv_freq,
@@ -1607,10 +1707,11 @@ def _key_positions(query_positions: torch.Tensor, query_slot: int, key_offset: i
     return positions
 
 
-def _packed_bounds(position_ids: torch.Tensor, kwargs: Mapping[str, Any], query_len: int, key_len: int) -> list[int] | None:
+def _packed_bounds(position_ids: torch.Tensor, kwargs: Mapping[str, Any], query_len: int, key_len: int,
+                   facts: _PositionFacts) -> list[int] | None:
     """Where the packed sequences of a flash-attention call start, as transformers' flash path reads
-    them: ``cu_seq_lens_q`` if given, else every position equal to the row's smallest (batch 1);
-    None for one sequence."""
+    them: ``cu_seq_lens_q`` if given, else every position equal to the row's smallest (batch 1,
+    read from ``facts``, the memo of ``position_ids``); None for one sequence."""
     given = kwargs.get("cu_seq_lens_q")
     if given is not None:
         bounds = [int(b) for b in given.reshape(-1).tolist()]
@@ -1619,8 +1720,7 @@ def _packed_bounds(position_ids: torch.Tensor, kwargs: Mapping[str, Any], query_
             raise ValueError("attention-level methods need cu_seq_lens_k equal to cu_seq_lens_q (packed sequences "
                              "without a cache); pass the same boundaries for both.")
     elif position_ids.shape[0] == 1 and query_len > 1:
-        row = position_ids[0].cpu()  # one copy to the host, not a wait per reduction
-        bounds = torch.nonzero(row == row.min()).reshape(-1).tolist() + [query_len]
+        bounds = facts.restarts() + [query_len]
     else:
         return None
     if len(bounds) <= 2:

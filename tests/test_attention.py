@@ -9,6 +9,8 @@ with the package.
 from __future__ import annotations
 
 import math
+import os
+import traceback
 
 import pytest
 import torch
@@ -414,6 +416,42 @@ def test_layers_of_one_forward_read_the_positions_once(monkeypatch):
         torch.testing.assert_close(shifted, expected_shifted, atol=0, rtol=0)
         torch.testing.assert_close(frozen_shifted, expected_shifted, atol=0, rtol=0)
         torch.testing.assert_close(first, fresh(ids).logits, atol=0, rtol=0)
+
+
+class _HostTransfers(torch.overrides.TorchFunctionMode):
+    """Counts the library's calls that move a tensor between devices (``.cpu()``, ``.to(device)``):
+    on a GPU each waits for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        moves = name == "cpu" or (name == "to" and any(isinstance(a, (str, torch.device)) for a in (*args[1:], *kwargs.values())))
+        if moves:
+            library = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}hf_rope_ext{os.sep}" in f.filename]
+            if library:
+                self.calls.append(f"{name} in {library[-1].name}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["self-extend", "self-extend-yarn", "dual-chunk"])
+def test_a_forward_moves_tensors_between_devices_the_same_number_of_times_whatever_its_layers(method):
+    """Positions read to the host, frequencies copied to the device: once per forward, never once
+    per layer (on a GPU each such copy stops the host until the device has caught up)."""
+    counts = {}
+    for layers in (2, 4):
+        model = make_model("llama", attn_implementation="sdpa", num_hidden_layers=layers)
+        patch_model(model, scale=4, method=method)
+        ids = random_ids(LENGTH)
+        with torch.no_grad():
+            model(ids)  # the first forward may set things up
+            with _HostTransfers() as transfers:
+                model(ids)
+        counts[layers] = sorted(transfers.calls)
+    assert counts[2] == counts[4]
 
 
 def test_position_memos_see_in_place_changes():

@@ -70,6 +70,69 @@ def test_kernel_matches_a_float64_softmax_of_the_two_regimes(shape, dtype):
     torch.testing.assert_close(actual.double().cpu(), expected, atol=tolerance, rtol=tolerance)
 
 
+def test_kernel_gives_each_group_of_rows_its_own_far_keys_in_one_launch():
+    """far_rows: rows 0-4, 5-36 and 37-69 read three different far keys; groups shorter than a
+    block and groups that start inside one are cut into their own blocks."""
+    batch, heads, key_heads, rows, keys, first, window = 1, 4, 2, 70, 100, 30, 9
+    far_rows = [0, 5, 37]
+    generator = torch.Generator().manual_seed(1)
+    q_near, q_far = (torch.randn(batch, heads, rows, 16, generator=generator) for _ in range(2))
+    k_near, value = (torch.randn(batch, key_heads, keys, 16, generator=generator) for _ in range(2))
+    far_keys = [torch.randn(batch, key_heads, keys, 16, generator=generator) for _ in far_rows]
+    expected = torch.cat([
+        two_regime_reference(q_near[:, :, lo:hi], q_far[:, :, lo:hi], k_near, k_far, value, first + lo, window, 0.3)
+        for lo, hi, k_far in zip(far_rows, far_rows[1:] + [rows], far_keys)
+    ], dim=2)
+    device = lambda x: x.to(DEVICE)  # noqa: E731
+    actual = fused_attention.two_regime_attention(
+        device(q_near), device(q_far), device(k_near), [device(k) for k in far_keys], device(value), first_distance=first,
+        window=window, scaling=0.3, far_rows=far_rows, block_sizes=BLOCKS,
+    )
+    torch.testing.assert_close(actual.double().cpu(), expected, atol=1e-5, rtol=1e-5)
+    # the same keys for every group give the one-tensor call's result
+    single = fused_attention.two_regime_attention(
+        device(q_near), device(q_far), device(k_near), device(far_keys[0]), device(value), first_distance=first,
+        window=window, scaling=0.3, block_sizes=BLOCKS,
+    )
+    grouped = fused_attention.two_regime_attention(
+        device(q_near), device(q_far), device(k_near), [device(far_keys[0])] * 3, device(value), first_distance=first,
+        window=window, scaling=0.3, far_rows=far_rows, block_sizes=BLOCKS,
+    )
+    torch.testing.assert_close(grouped, single, atol=1e-6, rtol=1e-6)
+    # far_rows as an iterator (read once) gives the same result as the list
+    from_iterator = fused_attention.two_regime_attention(
+        device(q_near), device(q_far), device(k_near), [device(k) for k in far_keys], device(value), first_distance=first,
+        window=window, scaling=0.3, far_rows=iter(far_rows), block_sizes=BLOCKS,
+    )
+    torch.testing.assert_close(from_iterator, actual, atol=0, rtol=0)
+
+
+def test_kernel_reads_far_keys_that_are_slices_of_one_tensor_in_place(monkeypatch):
+    """Slices ``stacked[i]`` of one tensor, in any order and with gaps, are read where they lie (the
+    patch rotates its groups' keys into one tensor): the same result, and no stacked copy."""
+    batch, heads, key_heads, rows, keys, first, window = 1, 4, 2, 70, 100, 30, 9
+    far_rows = [0, 5, 37]
+    generator = torch.Generator().manual_seed(2)
+    q_near, q_far = (torch.randn(batch, heads, rows, 16, generator=generator).to(DEVICE) for _ in range(2))
+    k_near, value = (torch.randn(batch, key_heads, keys, 16, generator=generator).to(DEVICE) for _ in range(2))
+    stacked = torch.randn(5, batch, key_heads, keys, 16, generator=generator).to(DEVICE)
+    slices = [stacked[3], stacked[1], stacked[4]]
+    arguments = dict(first_distance=first, window=window, scaling=0.3, far_rows=far_rows, block_sizes=BLOCKS)
+    copies = [[k.clone() for k in slices]]  # separate tensors: the wrapper stacks them
+    expected = fused_attention.two_regime_attention(q_near, q_far, k_near, copies[0], value, **arguments)
+    stacks = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *args, **kwargs: stacks.append(1) or real_stack(*args, **kwargs))
+    actual = fused_attention.two_regime_attention(q_near, q_far, k_near, slices, value, **arguments)
+    assert stacks == []
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+    reference = torch.cat([
+        two_regime_reference(q_near[:, :, lo:hi], q_far[:, :, lo:hi], k_near, k_far, value, first + lo, window, 0.3)
+        for lo, hi, k_far in zip(far_rows, far_rows[1:] + [rows], slices)
+    ], dim=2)
+    torch.testing.assert_close(actual.double().cpu(), reference, atol=1e-5, rtol=1e-5)
+
+
 def _bad_call(**changes):
     q, k = torch.zeros(1, 2, 8, 16, device=DEVICE), torch.zeros(1, 2, 8, 16, device=DEVICE)
     arguments = dict(q_near=q, q_far=q, k_near=k, k_far=k, value=k, first_distance=0, window=2, scaling=1.0)
@@ -79,7 +142,7 @@ def _bad_call(**changes):
 
 @pytest.mark.parametrize("changes, message", [
     (dict(q_near=torch.zeros(2, 8, 16)), "q_near must be a 4-D tensor"),
-    (dict(value=torch.zeros(1, 2, 8, 16, dtype=torch.float16)), "pass all five in one dtype"),
+    (dict(value=torch.zeros(1, 2, 8, 16, dtype=torch.float16)), "pass all of them in one dtype"),
     ({name: torch.zeros(1, 2, 8, 16, dtype=torch.int64) for name in ("q_near", "q_far", "k_near", "k_far", "value")},
      "the kernel takes"),
     (dict(q_near=torch.zeros(1, 2, 8, 12), q_far=torch.zeros(1, 2, 8, 12)), "head size one of"),
@@ -93,10 +156,25 @@ def _bad_call(**changes):
     (dict(block_sizes=(24, 16)), "powers of two >= 16"),
     (dict(block_sizes=(16,)), "block_sizes must be"),
     (dict(q_near=torch.zeros(1, 2, 8, 16, requires_grad=True)), "no backward"),
+    (dict(k_far=[torch.zeros(1, 2, 8, 16)] * 2), "give far_rows"),
+    (dict(far_rows=[0]), "k_far must be a non-empty list"),
+    (dict(k_far=[torch.zeros(1, 2, 8, 16)] * 2, far_rows=[0]), "far_rows has 1 entries for 2"),
+    (dict(k_far=[torch.zeros(1, 2, 8, 16)] * 2, far_rows=[1, 3]), "must start at 0 and increase strictly"),
+    (dict(k_far=[torch.zeros(1, 2, 8, 16)] * 2, far_rows=[0, 0]), "must start at 0 and increase strictly"),
+    (dict(k_far=[torch.zeros(1, 2, 8, 16)] * 2, far_rows=[0, 8]), "each below the 8 query rows"),
+    (dict(k_far=[torch.zeros(1, 2, 8, 16)] * 2, far_rows=[0, 2.5]), "each entry of far_rows must be a whole number"),
+    (dict(k_far=[torch.zeros(1, 2, 8, 16)] * 2, far_rows=3), "far_rows must be a sequence of whole numbers"),
+    (dict(k_far=[torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 9, 16)], far_rows=[0, 4]), "matching shapes"),
+    (dict(k_far=[torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16, dtype=torch.float16)], far_rows=[0, 4]),
+     r"k_far\[1\] is torch.float16"),
 ])  # fmt: skip
 def test_kernel_refuses_bad_arguments_in_one_line(changes, message):
-    changes = {name: value.detach().to(DEVICE).requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor)
-               else value for name, value in changes.items()}
+    def on_device(value):
+        if isinstance(value, list):
+            return [on_device(item) for item in value]
+        return value.detach().to(DEVICE).requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) else value
+
+    changes = {name: on_device(value) for name, value in changes.items()}
     with pytest.raises(ValueError, match=message):
         _bad_call(**changes)
 
@@ -124,14 +202,26 @@ def test_kernel_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
                   k_far=torch.zeros(1, 2, 8, 16), value=torch.zeros(1, 2, 8, 16))
 
 
+class KernelCalls(list):
+    """The window of each kernel call, and in ``far_groups`` how many far-key groups it took."""
+
+    def __init__(self):
+        super().__init__()
+        self.far_groups: list[int] = []
+        self.one_storage: list[bool] = []  # whether its far keys lay in one tensor (read in place)
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts the kernel's calls; lets it run on the CPU (the interpreter) where there is no GPU."""
-    calls = []
+    calls = KernelCalls()
     original = fused_attention.two_regime_attention
 
     def counted(*args, **kwargs):
         calls.append(kwargs["window"])
+        calls.far_groups.append(len(kwargs.get("far_rows") or [0]))
+        far_keys = args[3] if isinstance(args[3], list) else [args[3]]
+        calls.one_storage.append(len({k.untyped_storage().data_ptr() for k in far_keys}) == 1)
         return original(*args, **{**kwargs, "block_sizes": BLOCKS})
 
     monkeypatch.setattr(fused_attention, "two_regime_attention", counted)
@@ -183,7 +273,27 @@ def test_the_default_through_the_kernel_matches_its_reference(kernel_calls):
     with torch.no_grad():
         actual = model(ids.to(DEVICE)).logits
     assert kernel_calls and set(kernel_calls) == {L0 // 4}
+    # one launch per layer, every group of queries beyond L0 in it (a group per query here)
+    assert len(kernel_calls) == model.config.num_hidden_layers
+    assert min(kernel_calls.far_groups) > 1
+    assert all(kernel_calls.one_storage)  # the groups' keys were rotated into one tensor, not stacked per call
     torch.testing.assert_close(actual.cpu(), expected, atol=5e-5, rtol=1e-4)
+
+
+def test_running_out_of_memory_in_the_kernel_call_is_raised_and_keeps_the_kernel_on(monkeypatch):
+    """Memory is the forward's problem, as for any other allocation: the error reaches the caller,
+    and the kernel is not switched off for the rest of the process (as a kernel that cannot run is)."""
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+
+    monkeypatch.setattr(fused_attention, "two_regime_attention", out_of_memory)
+    monkeypatch.setattr(attention_level, "_two_regime_device", lambda device: True)
+    monkeypatch.setattr(attention_level, "_TWO_REGIME_FAILED", False)
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method="self-extend-yarn")
+    with pytest.raises(torch.OutOfMemoryError), torch.no_grad():
+        model(random_ids(LENGTH))
+    assert not attention_level._TWO_REGIME_FAILED
 
 
 def test_kernel_is_skipped_for_training_decode_steps_and_when_switched_off(kernel_calls, monkeypatch):
