@@ -250,6 +250,25 @@ def _cache_file(fingerprint: str, cache_dir: str | Path | None) -> Path:
     return Path(cache_dir) if cache_dir is not None else default_cache_dir() / "auto" / f"{fingerprint}.json"
 
 
+def _not_a_cache(path: Path) -> str | None:
+    """Why ``path`` is not a calibration cache this package may overwrite (None: it is one, or missing).
+
+    Only a file holding exactly ``{"entries": {...}}`` (what choose_configuration writes) is ours:
+    a user's cache_path naming anything else is never overwritten.
+    """
+    if path.is_dir():
+        return "is a folder"
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
+        return f"is not JSON ({error})"
+    if not isinstance(data, dict) or set(data) != {"entries"} or not isinstance(data["entries"], dict):
+        return 'is not a calibration cache (a JSON object {"entries": {...}})'
+    return None
+
+
 def _read_cache(path: Path, report: bool = True) -> dict[str, Any]:
     """The cache file's entries by key; a missing file is empty, an unreadable one is reported and ignored."""
     if not path.exists():
@@ -350,7 +369,8 @@ def choose_configuration(
         candidates: ``"all"``, ``"servable"`` or a list of ``"method[:key=value,...]"``.
         objective: ``"all"`` (mean loss of every position) or ``"beyond"`` (positions past the
             native context only).
-        cache: read and write the per-model cache; ``cache_path`` overrides its file.
+        cache: read and write the per-model cache; ``cache_path`` overrides its file, which must
+            be missing or a cache written here (anything else is refused, never overwritten).
     """
     from .evaluation.runner import model_fingerprint
     from .patching import _rotary_target, get_patch_info, original_context_length, patch_model, unpatch_model
@@ -360,6 +380,9 @@ def choose_configuration(
         raise ValueError(f"objective={objective!r}: give {' or '.join(map(repr, OBJECTIVES))}.")
     if not isinstance(cache, bool):
         raise TypeError(f"cache must be True or False, got {cache!r}.")
+    if cache and cache_path is not None and (problem := _not_a_cache(Path(cache_path))) is not None:
+        raise ValueError(f"cache_path {cache_path} {problem}; it would be overwritten: give a new file name or the "
+                         f"path of a cache written here.")  # fmt: skip
     ids = _calibration_tensor(calibration_ids)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     vocabulary = getattr(embeddings, "num_embeddings", None)
@@ -426,7 +449,10 @@ def choose_configuration(
             original_length=original_length, objective=objective, scores=tuple(scores),
             calibration_sha256=key_fields["calibration_sha256"], cache_path=None if path is None else str(path),
         )  # fmt: skip
-        if path is not None:
+        if path is not None and cache_path is not None and (problem := _not_a_cache(path)) is not None:
+            # replaced by something else while measuring: the user's file is kept, the choice is not cached
+            logger.warning("Not writing the calibration cache %s: it %s now; this choice is not cached.", path, problem)
+        elif path is not None:
             entries = _read_cache(path, report=False)  # again: another process may have added entries meanwhile
             entries[key] = {"chosen": choice.chosen, "scores": [asdict(score) for score in scores]}
             try:

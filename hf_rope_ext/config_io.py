@@ -56,6 +56,7 @@ import contextlib
 import contextvars
 import logging
 import math
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -390,6 +391,25 @@ def restoring_patch() -> Iterator[None]:
         _RESTORING.reset(token)
 
 
+# Configs already warned about (by id, with a weak reference to tell a new config at a reused id):
+# transformers calls the rope-init function twice per model (construction, then _init_weights).
+_WARNED_CONFIGS: dict[int, weakref.ref] = {}
+
+
+def _first_warning_for(config: Any) -> bool:
+    key = id(config)
+    known = _WARNED_CONFIGS.get(key)
+    if known is not None and known() is config:
+        return False
+    try:
+        _WARNED_CONFIGS[key] = weakref.ref(
+            config, lambda dead: _WARNED_CONFIGS.pop(key) if _WARNED_CONFIGS.get(key) is dead else None
+        )
+    except TypeError:  # not weak-referenceable: warn every time rather than never
+        pass
+    return True
+
+
 def _transformers_init_function(rope_type: str):
     """A function with transformers' rope-init signature for one of our rope types."""
 
@@ -410,7 +430,8 @@ def _transformers_init_function(rope_type: str):
         record = read_record(config)
         if seq_len is None and record is not None:
             verify_record(config)  # model construction: refuse a contradictory config.json
-        if seq_len is None and not _RESTORING.get() and (method.attention is not None or (record or {}).get("logn_attention")):
+        attention_level = method.attention is not None or (record or {}).get("logn_attention")
+        if seq_len is None and not _RESTORING.get() and attention_level and _first_warning_for(config):
             # Not silent: a plain from_pretrained builds the frequencies only.
             logger.warning(
                 "This checkpoint was saved with the attention-level patch %r; from_pretrained rebuilds its rotary "

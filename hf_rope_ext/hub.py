@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -45,6 +46,7 @@ from .files import atomic_directory
 from .patching import find_rotary_module, get_patch_info, owner_and_attribute
 from .runtimes import RuntimeCommand, RuntimeSettings, describe_patch, runtime_settings  # noqa: F401  (moved there)
 from .spec import PatchSpec
+from .validation import is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +134,11 @@ def save_patched(
         tokenizer: saved alongside; a finite ``model_max_length`` below the extended context
             is raised to it in the saved copy (vLLM caps its maximum length by it). Without
             one, a ``tokenizer_config.json`` already in the folder gets the same raise.
-        card: a ``huggingface_hub.ModelCard`` or markdown string written as ``README.md``
-            (see :mod:`hf_rope_ext.model_card`).
+        card: written as ``README.md`` (see :mod:`hf_rope_ext.model_card`): a
+            ``huggingface_hub.ModelCard``, the card's markdown text (a ``str`` with line breaks),
+            or a markdown file's path (an ``os.PathLike`` or a one-line ``str``; one that names
+            no file is refused). A card hf_rope_ext rendered for another method or scale than
+            this model's patch is refused.
         card_assets: files the card references (plots), copied next to it.
         legacy_fields: also write ``rope_scaling`` and top-level ``rope_theta`` (the
             transformers 4.x spelling, still read by runtimes built on it; checked to load to
@@ -162,6 +167,8 @@ def save_patched(
             f"tokenizer must be a tokenizer object (AutoTokenizer.from_pretrained(...)), got {type(tokenizer).__name__}."
         )
     card_text = _card_text(card)
+    if card_text is not None:
+        _check_card_patch(card_text, recorded)
     assets = _card_assets(card_assets)
     if recorded.method == "dynamic" and recorded.steps_per_doubling is not None:
         logger.warning(
@@ -212,7 +219,7 @@ def save_patched(
         logger.warning(
             "Removed %s from %s: a model card hf_rope_ext generated for the patch saved there before, not for this %s "
             "x%g patch. Write one for it with card=hf_rope_ext.model_card.render_model_card(model, ...)[0].",
-            _CARD, target, recorded.method, recorded.scale,
+            _CARD, target, recorded.label, recorded.scale,
         )  # fmt: skip
     logger.info(
         "Saved %s (%s, scale %g, context %d -> %d) to %s.",
@@ -227,21 +234,85 @@ def save_patched(
 
 
 def _card_text(card: Any) -> str | None:
-    """The README text of ``card``: a ``ModelCard``, a markdown string, or a path to a markdown file."""
-    if card is None or isinstance(card, str):
+    """The README text of ``card``: a ``huggingface_hub.ModelCard``, a path to a markdown file, or
+    the card's markdown text.
+
+    A ``str`` with a line break is the card's text (every card with metadata has several lines);
+    a ``str`` on one line is a path, like an ``os.PathLike``, and is refused if it names no file
+    (rather than written as a one-line card).
+    """
+    if isinstance(card, str) and ("\n" in card or "\r" in card):
+        line = card.strip()
+        # a path read from a file or a command keeps its line break: neither guess, refuse
+        if line and "\n" not in line and "\r" not in line and Path(line).expanduser().is_file():
+            raise ValueError(f"card {card!r} is one line and a line break, and names the file {line}; pass "
+                             f"Path({line!r}) to use that file, or the card's text.")  # fmt: skip
         return card
-    if isinstance(card, os.PathLike):
+    if card is None:
+        return card
+    if isinstance(card, (str, os.PathLike)):
         path = Path(card).expanduser()
         if not path.is_file():
             raise FileNotFoundError(
+                f"card {str(card)!r} is not a file (a one-line str is read as a path); pass a markdown file's path, a "
+                "ModelCard, or the card's markdown text (several lines)."
+                if isinstance(card, str) else
                 f"card {path} is not a file; pass a ModelCard, a markdown string or a markdown file path."
-            )
-        return path.read_text(encoding="utf-8")
+            )  # fmt: skip
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"card {path} is not UTF-8 text; pass a markdown file.") from None
     if isinstance(card, (bytes, bytearray)) or not hasattr(card, "content"):
         raise TypeError(
             f"card must be a huggingface_hub.ModelCard, a markdown string or a path to one, got {type(card).__name__}."
         )
     return str(card)
+
+
+def _card_patch(metadata: Any) -> dict | None:
+    """The patch (``{"method", "scale"}``) an hf_rope_ext card's metadata says it describes; None for
+    a card of the user's own (no ``hf-rope-ext`` tag), ``{}`` for one rendered before cards named it."""
+    from .model_card import CARD_PATCH_KEY
+
+    tags = metadata.get("tags") if isinstance(metadata, dict) else None
+    if not isinstance(tags, list) or "hf-rope-ext" not in tags:
+        return None
+    described = metadata.get(CARD_PATCH_KEY)
+    return described if isinstance(described, dict) else {}
+
+
+def _describes(described: dict, recorded: PatchSpec) -> bool:
+    scale = described.get("scale")
+    return described.get("method") == recorded.label and is_finite(scale) and math.isclose(scale, recorded.scale)
+
+
+def _scale_text(scale: Any) -> str:
+    return f"{scale:g}" if is_finite(scale) else repr(scale)
+
+
+def _check_card_patch(card_text: str, recorded: PatchSpec) -> None:
+    """Refuse a card hf_rope_ext rendered for another patch than the one being saved."""
+    import yaml
+    from huggingface_hub.repocard import REGEX_YAML_BLOCK  # the metadata block, as metadata_load finds it
+
+    block = REGEX_YAML_BLOCK.search(card_text)
+    try:
+        metadata = yaml.safe_load(block.group(2)) if block else None
+    except yaml.YAMLError:  # a card of the user's own, in whatever form: not ours to judge
+        return
+    described = _card_patch(metadata)
+    if described == {}:
+        logger.warning(
+            "The card given is an hf-rope-ext card that does not name its patch (rendered by an older version), so "
+            "it was not checked against this %s x%g checkpoint.", recorded.label, recorded.scale,
+        )  # fmt: skip
+    elif described is not None and not _describes(described, recorded):
+        raise ValueError(
+            f"card= was rendered for a {described.get('method')} x{_scale_text(described.get('scale'))} patch, not this "
+            f"{recorded.label} x{recorded.scale:g} checkpoint; pass card=hf_rope_ext.model_card.render_model_card("
+            "model, ...)[0] for this model. Nothing was written."
+        )
 
 
 def _card_assets(card_assets: Any) -> list[Path]:
@@ -267,15 +338,18 @@ def _card_assets(card_assets: Any) -> list[Path]:
 
 def _card_of_another_patch(folder: Path, recorded: PatchSpec) -> bool:
     """True when ``folder``'s README.md is a card hf_rope_ext generated (its metadata has the
-    ``hf-rope-ext`` tag) and the checkpoint there records another patch than ``recorded``."""
+    ``hf-rope-ext`` tag) for another patch than ``recorded``: the one its metadata names, or for an
+    older card that names none, the one the checkpoint there records."""
     from huggingface_hub import metadata_load
 
     try:
-        tags = (metadata_load(folder / _CARD) or {}).get("tags") or []
+        described = _card_patch(metadata_load(folder / _CARD) or {})
+        if described:  # the card names the patch it describes
+            return not _describes(described, recorded)
         previous = json.loads((folder / "config.json").read_text(encoding="utf-8")).get(config_io.RECORD_ATTRIBUTE)
     except Exception:  # a README or config of the user's own, in whatever form: not ours to judge
         return False
-    if not isinstance(tags, list) or "hf-rope-ext" not in tags:
+    if described is None:
         return False
 
     def patch_of(record: Any) -> Any:  # the record less the version of the package that wrote it

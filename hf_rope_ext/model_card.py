@@ -35,7 +35,7 @@ from .evaluation.records import RESULTS_FILE, read_records, recorded_steps
 from .evaluation.summary import format_accuracy, format_ppl, format_scale, format_tokens, method_label, retrieval_rows
 from .files import atomic_path, atomic_write_text
 from .spec import method_spec
-from .validation import is_real
+from .validation import is_finite, is_real
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ __all__ = ["load_eval_results", "load_training_summary", "render_model_card", "w
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent / "templates" / "model_card.md"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MISSING = "—"
+# The card metadata entry naming the patch a card describes (read by hf_rope_ext.hub.save_patched).
+CARD_PATCH_KEY = "hf_rope_ext"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,19 +92,40 @@ def load_training_summary(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _check_training_summary(summary: Mapping[str, Any], source: Any) -> None:
-    """Refuse a JSON object that is not a fine-tuning run's summary (a config.json, ``{}``): the card
-    would call the checkpoint fine-tuned and list its keys as training details."""
+    """Refuse a JSON object that is not a fine-tuning run's summary (a config.json, ``{}``, a
+    ``rope_patch`` with no method or scale): the card would call the checkpoint fine-tuned and list
+    its keys as training details. The values the card shows as numbers must be ones."""
     where = f"{source} " if isinstance(source, (str, os.PathLike)) else ""
     rope_patch = summary.get("rope_patch")
     if rope_patch is not None and not isinstance(rope_patch, Mapping):
         raise ValueError(f"The training summary {where}has a rope_patch that is not an object ({rope_patch!r}); pass "
                          "the training_summary.json that hf-rope-ext's fine-tuning wrote.")  # fmt: skip
-    if rope_patch is None and not (isinstance(summary.get("method"), str) and is_real(summary.get("scale"))):
+    method, scale = _trained_method_and_scale(summary)
+    if not isinstance(method, str) or not (is_finite(scale) and scale > 0):
         raise ValueError(
-            f"The training summary {where}is not one: it has no method (a name) and scale (a number), nor a rope_patch "
-            "record, which every training_summary.json of hf-rope-ext's fine-tuning has. Pass that file, or leave out "
-            "--training-summary for a training-free checkpoint."
+            f"The training summary {where}is not one: it has no method (a name) and scale (a positive number), in its "
+            "rope_patch record or at the top level, which every training_summary.json of hf-rope-ext's fine-tuning "
+            "has. Pass that file, or leave out --training-summary for a training-free checkpoint."
         )
+    losses, target = summary.get("losses"), summary.get("target_length")
+    problem = None
+    if summary.get("final_loss") is not None and not is_finite(summary["final_loss"]):
+        problem = f"final_loss {summary['final_loss']!r} is not a finite number"
+    elif losses is not None and not (isinstance(losses, list) and all(is_finite(loss) for loss in losses)):
+        problem = "losses is not a list of finite numbers"
+    elif target is not None and not (is_finite(target) and target > 0 and float(target).is_integer()):
+        problem = f"target_length {target!r} is not a positive number of tokens"
+    if problem:
+        raise ValueError(f"The training summary {where}is damaged: {problem}. Pass the training_summary.json that "
+                         "hf-rope-ext's fine-tuning wrote, as it wrote it.")  # fmt: skip
+
+
+def _trained_method_and_scale(summary: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The run's method name and scale: its ``rope_patch`` record's, else the top-level fields."""
+    recorded = summary.get("rope_patch") if isinstance(summary.get("rope_patch"), Mapping) else {}
+    method = recorded.get("method") if isinstance(recorded.get("method"), str) else summary.get("method")
+    scale = recorded.get("scale") if recorded.get("scale") is not None else summary.get("scale")
+    return method, scale
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,7 +172,8 @@ def _same_patch(record: Mapping[str, Any], patch: RecordedPatch) -> bool:
     """Evaluated with this checkpoint's patch: method, scale and, for length-dependent methods,
     frequency steps (a record without them cannot be attributed to this checkpoint)."""
     scale = record.get("scale")
-    same = record.get("method") == patch.method and isinstance(scale, (int, float)) and math.isclose(
+    # The evaluation records the method as patch_model took it: "yarn+logn" is not plain "yarn".
+    same = record.get("method") == patch.label and isinstance(scale, (int, float)) and math.isclose(
         float(scale), patch.scale
     )
     if same and patch.rope_method.length_dependent:
@@ -301,6 +325,11 @@ _TRAINING_SKIPPED = {"base_model_path", "rope_patch", "losses", "adapter_dir", "
 _LONGEST_LIST = 12
 
 
+def _loss(value: float) -> str:
+    """A training loss: four decimals, or four digits where fixed point would print hundreds of them."""
+    return f"{value:.4f}" if abs(value) < 1e6 else f"{value:.4g}"
+
+
 def _training_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
     def shown(value: Any) -> bool:
         if value is None or value == {} or value == []:
@@ -311,10 +340,10 @@ def _training_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
     for key, label in _TRAINING_LABELS.items():
         if key in summary and shown(summary[key]):
             value = summary[key]
-            rows.append((label, _cell(_number(value, 4) if key == "final_loss" else _value(value))))
-    losses = summary.get("losses")
-    if isinstance(losses, list) and len(losses) > 1 and all(isinstance(x, (int, float)) for x in losses):
-        rows.append(("Loss, first → last step", f"{losses[0]:.4f} → {losses[-1]:.4f}"))
+            rows.append((label, _cell(_loss(value) if key == "final_loss" else _value(value))))
+    losses = summary.get("losses")  # checked by _check_training_summary: finite numbers
+    if isinstance(losses, list) and len(losses) > 1:
+        rows.append(("Loss, first → last step", f"{_loss(losses[0])} → {_loss(losses[-1])}"))
     lora = summary.get("lora")
     if isinstance(lora, Mapping):
         rows += [(label, _cell(_value(lora[key]))) for key, label in _LORA_LABELS.items() if shown(lora.get(key))]
@@ -371,7 +400,7 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
             # the run's method as patch_model took it: "yarn+logn" when log-n attention was on
             "method": method_spec(recorded["method"], recorded.get("logn_attention") is True)
             if isinstance(recorded.get("method"), str) else summary.get("method"),
-            "scale": recorded.get("scale", summary.get("scale")),
+            "scale": _trained_method_and_scale(summary)[1],
             "original context": recorded.get("original_max_position_embeddings", summary.get("original_context")),
         }
         expected = {"method": patch.label, "scale": patch.scale,
@@ -408,7 +437,7 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
                 f"The evaluation folder {eval_dir} holds no result of this {here} checkpoint (its results: "
                 f"{', '.join(found)}). Pass the --eval-dir of an evaluation of this checkpoint (hf-rope-ext eval "
                 f"--model {folder or 'CHECKPOINT'} --methods none) or of its patch on the base model (--methods "
-                f"{patch.method} --scales {patch.scale:g})."
+                f"{patch.label} --scales {patch.scale:g})."
             )
 
 
@@ -519,6 +548,8 @@ def render_model_card(
         + (["logn-attention"] if logn else []),
         model_name=name if eval_results else None,
         eval_results=eval_results or None,
+        # The patch the card describes, for save_patched to check a card against the checkpoint it saves.
+        **{CARD_PATCH_KEY: {"method": patch.label, "scale": patch.scale}},
     )
     perplexity_rows, bucket_header, bucket_rows = _perplexity_tables(records)
     defaults = get_method(method.name).defaults

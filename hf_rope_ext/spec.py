@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .methods import COMMON_PARAMS, LOGN_SUFFIX, RopeMethod, get_method, plain_value, resolve_params
-from .validation import check_context, check_length, check_scale, check_steps, is_finite
+from .validation import MAX_CONTEXT, check_context, check_length, check_scale, check_steps, is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +191,9 @@ class PatchSpec:
         set_field(self, "scale", check_scale(self.scale))
         set_field(self, "original_max_position_embeddings",
                   check_length(self.original_max_position_embeddings, "original_max_length"))  # fmt: skip
+        # less extended_length's allowance for float rounding: max_length / L0 * L0 may land just above
+        check_context(self.scale * self.original_max_position_embeddings - 1e-6,
+                      f"scale={self.scale!r} on an original context of {self.original_max_position_embeddings} tokens")
         if self.rotary_dim is not None:
             rotary_dim = check_length(self.rotary_dim, "rotary_dim", "number of dimensions")
             if rotary_dim % 2:
@@ -418,6 +421,11 @@ class PatchSpec:
             raise RecordError(f"has scale={scale!r}; it must be a number > 1.", source)
         if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
             raise RecordError(f"has original_max_position_embeddings={original!r}; it must be an integer > 0.", source)
+        if scale * original - 1e-6 > MAX_CONTEXT:  # the bound patch_model sets (inf included), as extended_length rounds
+            raise RecordError(
+                f"has scale={scale!r}, which on its original context of {original} tokens gives {scale * original:.4g} "
+                f"tokens, beyond the {MAX_CONTEXT} positions models and runtimes index.", source
+            )  # fmt: skip
         if not is_finite(base) or base <= 0:
             raise RecordError(f"has original_rope_theta={base!r}; it must be a number > 0.", source)
         if not isinstance(record["params"], Mapping):

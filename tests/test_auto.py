@@ -187,6 +187,66 @@ def test_an_edited_cache_entry_is_measured_again(tmp_path, caplog, edit):
     assert again.chosen == first.chosen and again.scores[0].mean_loss == first.scores[0].mean_loss
 
 
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("my thesis draft\n", "is not JSON"),
+        ('{"my": "important data"}', "is not a calibration cache"),
+        ('{"entries": {}, "my": "important data"}', "is not a calibration cache"),
+        ('{"entries": ["x"]}', "is not a calibration cache"),
+        (None, "is a folder"),
+    ],
+)
+def test_a_cache_path_that_is_not_a_cache_is_refused_and_kept(tmp_path, content, message):
+    """Only a missing file or a cache written here is overwritten: anything else is refused before a forward."""
+    model = make_model("llama")
+    path = tmp_path / "mine"
+    if content is None:
+        path.mkdir()
+        (path / "notes.txt").write_text("kept")
+    else:
+        path.write_text(content)
+    calls = _count_forwards(model)
+    with pytest.raises(ValueError, match=f"cache_path {re.escape(str(path))} {message}.*give a new file name"):
+        choose_configuration(model, random_ids(2 * L0)[0], 2, candidates=["yarn", "ntk"], progress=False,
+                             cache_path=path)  # fmt: skip
+    assert calls == []
+    if content is None:
+        assert [entry.name for entry in path.iterdir()] == ["notes.txt"]
+    else:
+        assert path.read_text() == content
+    # a cache written here at that path is read and extended, as before
+    path = tmp_path / "cache.json"
+    choose_configuration(model, random_ids(2 * L0)[0], 2, candidates=["yarn"], progress=False, cache_path=path)
+    again = choose_configuration(model, random_ids(2 * L0)[0], 2, candidates=["yarn"], progress=False, cache_path=path)
+    assert again.from_cache
+
+
+def test_a_cache_path_replaced_while_measuring_is_kept(tmp_path, caplog):
+    """Another program writes its own file at cache_path during the forwards: it is not overwritten."""
+    model = make_model("llama")
+    path = tmp_path / "cache.json"
+    model.model.register_forward_hook(lambda *args: path.write_text("written meanwhile") and None)
+    with caplog.at_level(logging.WARNING, logger="hf_rope_ext.auto"):
+        choice = choose_configuration(model, random_ids(2 * L0)[0], 2, candidates=["yarn"], progress=False,
+                                      cache_path=path)  # fmt: skip
+    assert choice.chosen == "yarn" and path.read_text() == "written meanwhile"
+    assert "Not writing the calibration cache" in caplog.text
+
+
+def test_auto_measures_an_accelerate_offloaded_model():
+    """Offloaded weights sit on the meta device: the calibration forwards run where accelerate runs them."""
+    from accelerate import cpu_offload
+
+    model = make_model("llama")
+    ids = random_ids(2 * L0)[0]
+    reference = _reference_losses(model, ids, 2)  # before offloading
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    choice = choose_configuration(model, ids, 2, candidates=list(CANDIDATES)[:2], cache=False, progress=False)
+    assert [score.mean_loss for score in choice.scores] == pytest.approx(
+        [reference[text][0] for text in list(CANDIDATES)[:2]], rel=1e-5)  # fmt: skip
+
+
 def test_a_cache_that_cannot_be_written_keeps_the_measured_choice(tmp_path, caplog):
     model = make_model("llama")
     ids = random_ids(2 * L0)[0]

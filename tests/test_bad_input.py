@@ -234,6 +234,61 @@ def test_loading_a_checkpoint_of_our_own_type_after_import_does_not_ask_to_insta
     assert "pip install hf-rope-ext" not in caplog.text
 
 
+def test_plain_from_pretrained_of_an_attention_level_checkpoint_warns_once(tmp_path, caplog):
+    """transformers builds the rotary frequencies twice per model (construction, then its weight
+    init): the warning that from_pretrained drops the attention is said once per load."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_rope_ext.hub import save_patched
+
+    model = make_model("llama")
+    patch_model(model, scale=4, method="self-extend-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    for _ in range(2):  # a second load is warned about again
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_rope_ext"):
+            AutoModelForCausalLM.from_pretrained(folder)
+        assert caplog.text.count("saved with the attention-level patch 'self-extend-yarn'") == 1
+
+
+@pytest.mark.parametrize("scale", [1e9, 1e300, 1e308])
+def test_a_record_beyond_the_position_limit_is_refused_at_load_as_at_patch_time(tmp_path, scale):
+    """The bound patch_model sets on L0 x scale (int32 positions) holds for a config.json edited
+    consistently too, in one line, not as a raw OverflowError."""
+    from hf_rope_ext.hub import load_patched, save_patched
+    from hf_rope_ext.spec import PatchSpec
+
+    model = make_model("llama")
+    patch_model(model, scale=4, method="yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    config["hf_rope_ext"]["scale"] = config["rope_parameters"]["factor"] = config["rope_scaling"]["factor"] = scale
+    if math.isfinite(ORIGINAL_CONTEXT * scale):
+        config["max_position_embeddings"] = math.ceil(ORIGINAL_CONTEXT * scale)
+    (folder / "config.json").write_text(json.dumps(config))
+    limit = "beyond the 2147483647 positions models and runtimes index"
+    refused = f"the `hf_rope_ext` entry of config.json has scale={re.escape(repr(scale))}.*{limit}"
+    with pytest.raises(ValueError, match=refused) as error:
+        load_patched(folder)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=limit):
+        patch_model(make_model("llama"), scale=scale, method="yarn")
+    with pytest.raises(ValueError, match=limit):
+        PatchSpec("yarn", scale, ORIGINAL_CONTEXT)
+
+
+@pytest.mark.parametrize("original", [13, 1999, 8192])
+def test_a_context_at_the_position_limit_is_taken_whatever_the_original_length(original):
+    """max_length = 2**31 - 1 makes scale = max_length / L0, whose product with L0 can round just
+    above the limit in float: the bound allows for that rounding, at patch time and in the spec."""
+    from hf_rope_ext.spec import PatchSpec
+
+    model = make_model("llama", max_position_embeddings=original)
+    patch_model(model, max_length=2**31 - 1, method="linear")
+    assert model.config.max_position_embeddings == 2**31 - 1
+    PatchSpec("linear", (2**31 - 1) / original, original)  # the record load_patched reads builds one
+
+
 @pytest.mark.parametrize("steps", [0, -1])
 def test_steps_per_doubling_error_does_not_speak_of_tokens(steps):
     with pytest.raises(ValueError, match="steps_per_doubling must be a positive number of frequency steps") as error:

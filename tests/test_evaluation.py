@@ -78,6 +78,40 @@ def test_chunked_loss_equals_full_logits_loss(family, chunk_size):
     torch.testing.assert_close(tail.double(), expected[29:], atol=1e-5, rtol=1e-5)
 
 
+def test_chunked_loss_of_an_accelerate_offloaded_model():
+    """Offloaded weights sit on the meta device; the input goes where accelerate runs the model."""
+    from accelerate import cpu_offload
+
+    model = make_model("llama")
+    patch_model(model, 4, "yarn")
+    ids = random_ids(3 * ORIGINAL_CONTEXT)[0]
+    expected = reference_losses(model, ids)  # before offloading: the plain model's own logits
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    assert model.get_input_embeddings().weight.device.type == "meta"
+    torch.testing.assert_close(token_losses(model, ids, chunk_size=7).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_fingerprint_of_an_offloaded_model_reads_its_offloaded_weights(tied):
+    """Two models of one shape, offloaded, are told apart; a model offloaded has the fingerprint it
+    had in memory (tied embeddings too, which offloading unties); one whose weights were never
+    loaded (meta, no offloaded copy) is refused."""
+    from accelerate import cpu_offload, init_empty_weights
+
+    from hf_rope_ext.evaluation.runner import model_fingerprint
+
+    first, second = (make_model("llama", seed=seed, tie_word_embeddings=tied) for seed in (0, 1))
+    in_memory = model_fingerprint(first), model_fingerprint(second)
+    assert in_memory[0] != in_memory[1]
+    for model in (first, second):
+        cpu_offload(model, execution_device=torch.device("cpu"))
+    assert (model_fingerprint(first), model_fingerprint(second)) == in_memory
+    with init_empty_weights():
+        empty = make_model("llama")
+    with pytest.raises(ValueError, match="on the meta device with no offloaded copy.*load its weights first"):
+        model_fingerprint(empty)
+
+
 def test_chunked_loss_on_patched_length_dependent_model():
     # Beyond the native context a length-dependent method must see the whole length in one forward.
     model = make_model("llama")

@@ -445,7 +445,7 @@ def test_failed_save_leaves_the_target_alone(tmp_path):
     before = {path.name: path.read_bytes() for path in target.iterdir()}
     _patch(model, "yarn")
     with pytest.raises(FileNotFoundError):
-        save_patched(model, target, card="x", card_assets=[tmp_path / "missing.png"])
+        save_patched(model, target, card="x\n", card_assets=[tmp_path / "missing.png"])
     assert {path.name: path.read_bytes() for path in target.iterdir()} == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
 
@@ -470,7 +470,7 @@ def test_save_failing_after_staging_leaves_the_existing_target_byte_identical(tm
 
     monkeypatch.setattr(failing, fail)
     with pytest.raises(RuntimeError, match="disk full"):
-        save_patched(model, target, card="new card")
+        save_patched(model, target, card="new card\n")
     assert {path.name: path.read_bytes() for path in target.iterdir()} == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]  # no staging folder left
     monkeypatch.undo()
@@ -484,7 +484,7 @@ def test_failed_save_to_a_new_folder_leaves_nothing_behind(tmp_path):
     model = make_model("llama")
     _patch(model, "yarn")
     with pytest.raises(FileNotFoundError):
-        save_patched(model, tmp_path / "new" / "deeper" / "ckpt", card="x", card_assets=[tmp_path / "missing.png"])
+        save_patched(model, tmp_path / "new" / "deeper" / "ckpt", card="x\n", card_assets=[tmp_path / "missing.png"])
     assert list(tmp_path.iterdir()) == []  # no empty target (or parent) that load_patched would misread
 
 
@@ -515,7 +515,7 @@ def test_saved_checkpoint_and_card_get_the_users_umask_permissions(tmp_path):
     _patch(model, "yarn")
     previous = os.umask(0o027)
     try:
-        target = save_patched(model, tmp_path / "ckpt", card="# card")
+        target = save_patched(model, tmp_path / "ckpt", card="# card\n")
         card = write_model_card("# card", tmp_path / "cards" / "README.md")
     finally:
         os.umask(previous)
@@ -1592,3 +1592,113 @@ def test_relative_cache_folder_is_refused(monkeypatch):
     monkeypatch.setenv("HF_ROPE_EXT_CACHE", "relcache")
     with pytest.raises(ValueError, match="HF_ROPE_EXT_CACHE='relcache' is a relative path.*absolute path"):
         cache_dir()
+
+
+# ----------------------------------------------------------------------------------------------
+# Cards: the patch they describe, and what card= and a training summary may be
+# ----------------------------------------------------------------------------------------------
+
+
+def test_model_card_of_a_logn_checkpoint_takes_its_logn_results_not_plain_yarns(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn", logn_attention=True)  # yarn+logn x4
+    folder = save_patched(model, tmp_path / "ckpt")
+    config = AutoConfig.from_pretrained(folder)
+
+    def eval_folder(name, methods_and_ppl):
+        path = tmp_path / name
+        path.mkdir()
+        records = [{**RESULTS[1], "method": method, "ppl": ppl} for method, ppl in methods_and_ppl]
+        (path / "results.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+        return path
+
+    # `hf-rope-ext eval --methods yarn,yarn+logn` records each method as it was given
+    both = eval_folder("both", [("yarn", 111.0), ("yarn+logn", 222.0)])
+    card, _ = render_model_card(config, base_model="org/tiny-base", eval_dir=both)
+    assert [r.metric_value for r in card.data.eval_results if r.metric_type == "perplexity"] == [222.0]
+    card, _ = render_model_card(config, base_model="org/tiny-base", eval_dir=eval_folder("own", [("yarn+logn", 222.0)]))
+    assert [r.metric_value for r in card.data.eval_results] == [222.0]
+    with pytest.raises(ValueError, match=r"no result of this yarn\+logn x4 checkpoint \(its results: yarn x4\).*"
+                                         r"--methods yarn\+logn --scales 4"):
+        render_model_card(config, base_model="org/tiny-base", eval_dir=eval_folder("plain", [("yarn", 111.0)]))
+
+
+def test_save_patched_reads_a_one_line_str_card_as_a_file_and_refuses_one_naming_none(tmp_path, monkeypatch):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    card_file = tmp_path / "my card.md"
+    card_file.write_text(str(render_model_card(model, base_model="org/tiny-base")[0]))
+    target = save_patched(model, tmp_path / "ckpt", card=str(card_file))
+    assert (target / "README.md").read_bytes() == card_file.read_bytes()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    save_patched(model, target, card="~/my card.md")
+    assert (target / "README.md").read_bytes() == card_file.read_bytes()
+    before = {path.name: path.read_bytes() for path in target.iterdir()}
+    for one_line in (str(tmp_path / "missing.md"), "# my card", str(tmp_path), ""):
+        with pytest.raises(FileNotFoundError, match="is not a file \\(a one-line str is read as a path\\)"):
+            save_patched(model, target, card=one_line)
+        assert {path.name: path.read_bytes() for path in target.iterdir()} == before
+    save_patched(model, target, card="# my card\n\nText of my own.\n")  # with line breaks: the card's text
+    assert (target / "README.md").read_text() == "# my card\n\nText of my own.\n"
+    before = {path.name: path.read_bytes() for path in target.iterdir()}
+    for with_line_break in (f"{card_file}\n", f"{card_file}\r\n"):  # a path read from a file or a command
+        with pytest.raises(ValueError, match="is one line and a line break, and names the file .*my card.md"):
+            save_patched(model, target, card=with_line_break)
+        assert {path.name: path.read_bytes() for path in target.iterdir()} == before
+
+
+def test_save_patched_refuses_a_card_rendered_for_another_patch(tmp_path, caplog):
+    model = make_model("llama")
+    _patch(model, "yarn")  # yarn x4
+    target = save_patched(model, tmp_path / "ckpt")
+    before = {path.name: path.read_bytes() for path in target.iterdir()}
+    for method, kwargs, described in [("linear", {"scale": 2}, "linear x2"), ("yarn", {"scale": 8}, "yarn x8"),
+                                      ("yarn", {"logn_attention": True}, "yarn\\+logn x4")]:  # fmt: skip
+        other = make_model("llama")
+        _patch(other, method, **kwargs)
+        other_card = render_model_card(other, base_model="org/tiny-base")[0]
+        for card in (other_card, str(other_card)):
+            with pytest.raises(ValueError, match=f"rendered for a {described} patch, not this yarn x4 checkpoint"):
+                save_patched(model, target, card=card)
+            assert {path.name: path.read_bytes() for path in target.iterdir()} == before
+    own = render_model_card(model, base_model="org/tiny-base")[0]
+    save_patched(model, target, card=own)
+    assert (target / "README.md").read_text() == str(own)
+    # A card put there by other means, rendered for another patch, is not kept by a later save
+    # of this one (the folder's config.json records this patch: only the card's metadata tells).
+    write_model_card(other_card, target / "README.md")
+    with caplog.at_level("WARNING", logger="hf_rope_ext.hub"):
+        save_patched(model, target)
+    assert not (target / "README.md").exists() and "not for this yarn x4 patch" in caplog.text
+    # A card of an earlier version (hf-rope-ext tag, no patch named) cannot be checked: saved, with a warning.
+    older = re.sub(r"\nhf_rope_ext:\n(  .*\n)+", "\n", str(other_card))
+    assert "hf-rope-ext" in older and "hf_rope_ext:" not in older
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_rope_ext.hub"):
+        save_patched(model, target, card=older)
+    assert (target / "README.md").read_text() == older and "not checked against this yarn x4" in caplog.text
+
+
+def test_model_card_refuses_a_training_summary_that_is_not_one_or_has_damaged_values(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    config = save_patched(model, tmp_path / "ckpt") and AutoConfig.from_pretrained(tmp_path / "ckpt")
+    not_one = [{"rope_patch": {}}, {"rope_patch": {"method": "yarn"}}, {"rope_patch": {"scale": 4.0}},
+               {**TRAINING, "scale": float("nan")}, {**TRAINING, "scale": -4.0}, {**TRAINING, "method": None}]
+    for summary in not_one:
+        with pytest.raises(ValueError, match="is not one: it has no method"):
+            render_model_card(config, base_model="org/tiny-base", training_summary=summary)
+    damaged = {"final_loss": ("low", float("nan"), float("inf"), True), "losses": ("x", [float("nan"), 1.0], [1.0, "2"]),
+               "target_length": (-5, 0, 12.5, "128", float("inf"))}  # fmt: skip
+    for field, values in damaged.items():
+        for value in values:
+            with pytest.raises(ValueError, match=f"is damaged: {field} "):
+                render_model_card(config, training_summary={**TRAINING, field: value})
+    # Written to a file as json.dump writes NaN: refused the same way, naming the file.
+    (tmp_path / "summary.json").write_text(json.dumps({**TRAINING, "losses": [float("nan"), 2.0]}))
+    with pytest.raises(ValueError, match=r"summary.json is damaged: losses is not a list of finite numbers"):
+        render_model_card(config, training_summary=tmp_path / "summary.json")
+    # What a run writes: a rope_patch record with method and scale, finite losses (shown briefly however large).
+    run = {**TRAINING, "rope_patch": {"method": "yarn", "scale": 4.0}, "losses": [1e308, 2.5], "final_loss": 2.5}
+    text = str(render_model_card(config, training_summary=run)[0])
+    assert "| Loss, first → last step | 1e+308 → 2.5000 |" in text and "| Final training loss | 2.5000 |" in text

@@ -121,9 +121,8 @@ def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 def _logits(model: nn.Module, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """``head(hidden)`` plus the output transforms some families apply after the head, in float32."""
-    weight = getattr(head, "weight", None)
-    if weight is not None and hidden.device != weight.device:
-        hidden = hidden.to(weight.device)
+    if getattr(head, "weight", None) is not None and hidden.device != (device := _execution_device(head)):
+        hidden = hidden.to(device)
     logits = head(hidden).float()
     config = getattr(model, "config", None)
     scaling = getattr(config, "logits_scaling", None)  # granite divides the logits by a constant
@@ -164,8 +163,20 @@ def _verify_head(model: nn.Module, decoder: nn.Module, head: nn.Module, device: 
     _VERIFIED_HEADS.add(model)
 
 
+def _execution_device(module: nn.Module) -> torch.device:
+    """Where ``module`` computes: the device accelerate's hook runs it on when it is offloaded
+    (its weights then sit on the meta device), else the device of its first parameter."""
+    hook = getattr(module, "_hf_hook", None)
+    for part in getattr(hook, "hooks", (hook,)):  # a SequentialHook chains several
+        device = getattr(part, "execution_device", None)
+        if device is not None and torch.device(device).type != "meta":
+            return torch.device(device)
+    parameters = list(module.parameters())
+    return next((p.device for p in parameters if p.device.type != "meta"), parameters[0].device)
+
+
 def _input_device(model: nn.Module) -> torch.device:
-    return model.get_input_embeddings().weight.device
+    return _execution_device(model.get_input_embeddings())
 
 
 @torch.no_grad()

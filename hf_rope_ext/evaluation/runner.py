@@ -55,22 +55,54 @@ __all__ = ["EvalPlan", "EvaluationError", "ResultStore", "run_evaluation", "case
 _CONFIG_KEYS_IGNORED = ("transformers_version", "dtype", "torch_dtype", "architectures")
 
 
+def _offloaded_copy(model: nn.Module, name: str) -> torch.Tensor | None:
+    """The weights accelerate keeps (CPU or disk) for the parameter ``name`` that it offloaded to the
+    meta device: its hook on the parameter's module, or on a module above it, maps the name
+    relative to that module to them. None where no hook has it."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        hook = getattr(model.get_submodule(".".join(parts[:cut])), "_hf_hook", None)
+        for part in getattr(hook, "hooks", (hook,)):  # a SequentialHook chains several
+            weights = getattr(part, "weights_map", None)
+            if weights is not None:
+                try:
+                    return weights[".".join(parts[cut:])]
+                except KeyError:
+                    pass
+    return None
+
+
 def model_fingerprint(model: nn.Module, samples_per_tensor: int = 1024) -> str:
     """A short hash of the model's config and of its weights, 16 hex digits.
 
     The weights enter through every parameter's name and shape and ``samples_per_tensor``
     evenly spaced values (cheap even for large models; fine-tuned or other checkpoints differ
-    there). Parameters offloaded to the meta device enter by name and shape only. Keys starting
-    with ``_`` (name or path, attention implementation) are left out.
+    there). A parameter accelerate offloaded (on the meta device) enters through the copy
+    accelerate keeps of it; a meta parameter with no such copy (weights not loaded) is refused,
+    as it would make every model of that shape the same. Keys starting with ``_`` (name or
+    path, attention implementation) are left out.
     """
     config = model.config.to_dict()
     described = {key: value for key, value in config.items()
                  if not key.startswith("_") and key not in _CONFIG_KEYS_IGNORED}  # fmt: skip
     digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode())
+    # Names transformers ties to another parameter (lm_head.weight to the embeddings): in memory
+    # they are one tensor, which named_parameters lists once; offloading to meta unties them.
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    tied = set(expand(all_submodels=True)) if callable(expand) else set()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
+            if parameter.device.type == "meta" and name in tied:
+                continue
             digest.update(f"{name}{tuple(parameter.shape)}".encode())
-            if parameter.device.type != "meta" and parameter.numel():
+            if parameter.device.type == "meta":
+                parameter = _offloaded_copy(model, name)
+                if parameter is None:
+                    raise ValueError(
+                        f"{type(model).__name__}'s parameter {name} is on the meta device with no offloaded copy, so "
+                        "the model cannot be told from another of its shape; load its weights first."
+                    )
+            if parameter.numel():
                 flat = parameter.detach().reshape(-1)
                 step = max(1, flat.numel() // samples_per_tensor)
                 digest.update(flat[::step][:samples_per_tensor].to("cpu", torch.float64).numpy().tobytes())
