@@ -233,6 +233,15 @@ def save_patched(
     return target
 
 
+def _names_a_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` (``~`` expanded) is a file; text that cannot be a path (too long a name, a
+    ``~word`` that is no user) is not one."""
+    try:
+        return Path(path).expanduser().is_file()
+    except (OSError, RuntimeError, ValueError):
+        return False
+
+
 def _card_text(card: Any) -> str | None:
     """The README text of ``card``: a ``huggingface_hub.ModelCard``, a path to a markdown file, or
     the card's markdown text.
@@ -244,21 +253,21 @@ def _card_text(card: Any) -> str | None:
     if isinstance(card, str) and ("\n" in card or "\r" in card):
         line = card.strip()
         # a path read from a file or a command keeps its line break: neither guess, refuse
-        if line and "\n" not in line and "\r" not in line and Path(line).expanduser().is_file():
+        if line and "\n" not in line and "\r" not in line and _names_a_file(line):
             raise ValueError(f"card {card!r} is one line and a line break, and names the file {line}; pass "
                              f"Path({line!r}) to use that file, or the card's text.")  # fmt: skip
         return card
     if card is None:
         return card
     if isinstance(card, (str, os.PathLike)):
-        path = Path(card).expanduser()
-        if not path.is_file():
+        if not _names_a_file(card):
             raise FileNotFoundError(
                 f"card {str(card)!r} is not a file (a one-line str is read as a path); pass a markdown file's path, a "
                 "ModelCard, or the card's markdown text (several lines)."
                 if isinstance(card, str) else
-                f"card {path} is not a file; pass a ModelCard, a markdown string or a markdown file path."
+                f"card {os.fspath(card)} is not a file; pass a ModelCard, a markdown string or a markdown file path."
             )  # fmt: skip
+        path = Path(card).expanduser()
         try:
             return path.read_text(encoding="utf-8")
         except UnicodeDecodeError:

@@ -192,8 +192,10 @@ class PatchSpec:
         set_field(self, "original_max_position_embeddings",
                   check_length(self.original_max_position_embeddings, "original_max_length"))  # fmt: skip
         # less extended_length's allowance for float rounding: max_length / L0 * L0 may land just above
-        check_context(self.scale * self.original_max_position_embeddings - 1e-6,
-                      f"scale={self.scale!r} on an original context of {self.original_max_position_embeddings} tokens")
+        original = self.original_max_position_embeddings  # beyond the limit alone: an int too large for a float
+        if original > MAX_CONTEXT:
+            check_context(original, "original_max_length")
+        check_context(self.scale * original - 1e-6, f"scale={self.scale!r} on an original context of {original} tokens")
         if self.rotary_dim is not None:
             rotary_dim = check_length(self.rotary_dim, "rotary_dim", "number of dimensions")
             if rotary_dim % 2:
@@ -421,7 +423,12 @@ class PatchSpec:
             raise RecordError(f"has scale={scale!r}; it must be a number > 1.", source)
         if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
             raise RecordError(f"has original_max_position_embeddings={original!r}; it must be an integer > 0.", source)
-        if scale * original - 1e-6 > MAX_CONTEXT:  # the bound patch_model sets (inf included), as extended_length rounds
+        # the bound patch_model sets (inf included), as extended_length rounds; an original context
+        # beyond it alone is refused before the product (an int too large for a float)
+        if original > MAX_CONTEXT or scale * original - 1e-6 > MAX_CONTEXT:
+            if original > MAX_CONTEXT:
+                raise RecordError(f"has original_max_position_embeddings of about 10^{len(str(original)) - 1} tokens, "
+                                  f"beyond the {MAX_CONTEXT} positions models and runtimes index.", source)  # fmt: skip
             raise RecordError(
                 f"has scale={scale!r}, which on its original context of {original} tokens gives {scale * original:.4g} "
                 f"tokens, beyond the {MAX_CONTEXT} positions models and runtimes index.", source

@@ -277,6 +277,16 @@ def test_a_record_beyond_the_position_limit_is_refused_at_load_as_at_patch_time(
         PatchSpec("yarn", scale, ORIGINAL_CONTEXT)
 
 
+def test_a_record_with_an_original_context_too_large_for_a_float_is_refused_in_one_line():
+    from hf_rope_ext.spec import PatchSpec, RecordError
+
+    record = PatchSpec.create("yarn", 4, original_max_length=32, rope_theta=10000.0).to_record()
+    with pytest.raises(RecordError, match="original_max_position_embeddings of about 10\\^400 tokens, beyond the 2147483647"):
+        PatchSpec.from_record(dict(record, original_max_position_embeddings=10**400))
+    with pytest.raises(ValueError, match="about 10\\^400 tokens, beyond the 2147483647"):
+        PatchSpec("yarn", 4.0, 10**400)
+
+
 @pytest.mark.parametrize("original", [13, 1999, 8192])
 def test_a_context_at_the_position_limit_is_taken_whatever_the_original_length(original):
     """max_length = 2**31 - 1 makes scale = max_length / L0, whose product with L0 can round just

@@ -112,6 +112,23 @@ def test_the_fingerprint_of_an_offloaded_model_reads_its_offloaded_weights(tied)
         model_fingerprint(empty)
 
 
+def test_an_offloaded_model_whose_config_ties_a_head_it_replaced_keeps_that_head_in_its_fingerprint():
+    """A config that declares the tie, and a model whose lm_head is a parameter of its own: the head
+    enters the fingerprint offloaded as in memory, so two such models that differ only there differ."""
+    from accelerate import cpu_offload
+
+    from hf_rope_ext.evaluation.runner import model_fingerprint
+
+    models = [make_model("llama", tie_word_embeddings=True) for _ in range(2)]
+    for seed, model in enumerate(models):
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(seed)))
+    in_memory = [model_fingerprint(model) for model in models]
+    assert in_memory[0] != in_memory[1]
+    for model in models:
+        cpu_offload(model, execution_device=torch.device("cpu"))
+    assert [model_fingerprint(model) for model in models] == in_memory
+
+
 def test_chunked_loss_on_patched_length_dependent_model():
     # Beyond the native context a length-dependent method must see the whole length in one forward.
     model = make_model("llama")

@@ -1641,6 +1641,14 @@ def test_save_patched_reads_a_one_line_str_card_as_a_file_and_refuses_one_naming
     save_patched(model, target, card="# my card\n\nText of my own.\n")  # with line breaks: the card's text
     assert (target / "README.md").read_text() == "# my card\n\nText of my own.\n"
     before = {path.name: path.read_bytes() for path in target.iterdir()}
+    for text in ("~~Draft~~ card of my own\n", "A card of my own, on one long line. " * 9 + "\n"):  # no path: the text
+        save_patched(model, target, card=text)
+        assert (target / "README.md").read_text() == text
+    for one_line in ("~nosuchuser/card.md", "y" * 300):  # no file, and no path a file could have
+        with pytest.raises(FileNotFoundError, match="is not a file \\(a one-line str is read as a path\\)"):
+            save_patched(model, target, card=one_line)
+    save_patched(model, target, card="# my card\n\nText of my own.\n")
+    before = {path.name: path.read_bytes() for path in target.iterdir()}
     for with_line_break in (f"{card_file}\n", f"{card_file}\r\n"):  # a path read from a file or a command
         with pytest.raises(ValueError, match="is one line and a line break, and names the file .*my card.md"):
             save_patched(model, target, card=with_line_break)

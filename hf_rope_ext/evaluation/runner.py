@@ -72,6 +72,15 @@ def _offloaded_copy(model: nn.Module, name: str) -> torch.Tensor | None:
     return None
 
 
+def _still_tied(model: nn.Module, name: str, target: str) -> bool:
+    """Whether the offloaded copies of ``name`` and the parameter it is tied to hold the same weights
+    (a config may declare a tie that a model replaced by a parameter of its own)."""
+    copy, target_copy = _offloaded_copy(model, name), _offloaded_copy(model, target)
+    if copy is None or target_copy is None or copy.shape != target_copy.shape:
+        return False
+    return copy is target_copy or torch.equal(copy.detach().cpu(), target_copy.detach().cpu())
+
+
 def model_fingerprint(model: nn.Module, samples_per_tensor: int = 1024) -> str:
     """A short hash of the model's config and of its weights, 16 hex digits.
 
@@ -89,10 +98,10 @@ def model_fingerprint(model: nn.Module, samples_per_tensor: int = 1024) -> str:
     # Names transformers ties to another parameter (lm_head.weight to the embeddings): in memory
     # they are one tensor, which named_parameters lists once; offloading to meta unties them.
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
-    tied = set(expand(all_submodels=True)) if callable(expand) else set()
+    tied = expand(all_submodels=True) if callable(expand) else {}
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if parameter.device.type == "meta" and name in tied:
+            if parameter.device.type == "meta" and name in tied and _still_tied(model, name, tied[name]):
                 continue
             digest.update(f"{name}{tuple(parameter.shape)}".encode())
             if parameter.device.type == "meta":
