@@ -166,6 +166,28 @@ def remove_abandoned(target: str | os.PathLike, *, old_copies: bool = False) -> 
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
+def restore_interrupted_save(folder: str | os.PathLike) -> None:
+    """Before ``folder`` is read: put back its files if a save into it was killed while it swapped
+    them (see :func:`_swap_in`): such a folder holds neither version until then. A swap still under
+    way in another process (or killed within the last seconds) is refused in one line."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for aside in sorted(folder.glob(glob.escape(INNER_ASIDE_PREFIX) + "*")):
+        if not aside.is_dir() or aside.is_symlink() or not (aside / SWAP_JOURNAL).is_file():
+            continue  # no journal: killed before anything was moved, the folder is whole
+        if not _abandoned(aside):
+            raise RuntimeError(f"{folder} is being written by a save (its files are being replaced); load it once that "
+                               "save has finished.")  # fmt: skip
+        try:
+            _undo_swap(folder, aside)
+            shutil.rmtree(aside)
+        except OSError as error:
+            raise OSError(f"{folder}: a save was interrupted while it replaced the folder's files, and putting the "
+                          f"previous ones back failed ({error.strerror or error}); they are in {aside}: move them "
+                          f"back into {folder}.") from None  # fmt: skip
+
+
 def _undo_swap(target: Path, aside: Path) -> None:
     """Put ``target`` back as it was before a :func:`_swap_in` that was killed half way: remove the
     new entries it had placed and move the old ones back from ``aside``, as its journal lists them."""

@@ -42,7 +42,7 @@ from typing import Any
 from torch import nn
 
 from . import compat, config_io
-from .files import atomic_directory
+from .files import atomic_directory, restore_interrupted_save
 from .patching import find_rotary_module, get_patch_info, owner_and_attribute
 from .runtimes import RuntimeCommand, RuntimeSettings, describe_patch, runtime_settings  # noqa: F401  (moved there)
 from .spec import PatchSpec
@@ -560,6 +560,7 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
     from .loading import expand_home
 
     name_or_path = expand_home(name_or_path)
+    restore_interrupted_save(name_or_path)  # a save killed half way leaves neither version until then
     config = from_pretrained_kwargs.pop("config", None)
     if config is None:
         config_kwargs = {key: from_pretrained_kwargs[key] for key in _CONFIG_KWARGS if key in from_pretrained_kwargs}

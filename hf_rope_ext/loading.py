@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from .arguments import check_device
-from .files import STALE_STAGING_SECONDS, atomic_directory, file_in_the_way, remove_abandoned  # noqa: F401
+from .files import (  # noqa: F401
+    STALE_STAGING_SECONDS, atomic_directory, file_in_the_way, remove_abandoned, restore_interrupted_save,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +267,7 @@ def load_model(
     if device_map is not None:
         load_kwargs["device_map"] = device_map
     folder = Path(path)
+    restore_interrupted_save(folder)  # a save killed half way leaves neither version until then
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         # Else transformers tries to convert a slow tokenizer and asks for sentencepiece/tiktoken.
         raise FileNotFoundError(

@@ -1710,3 +1710,56 @@ def test_model_card_refuses_a_training_summary_that_is_not_one_or_has_damaged_va
     run = {**TRAINING, "rope_patch": {"method": "yarn", "scale": 4.0}, "losses": [1e308, 2.5], "final_loss": 2.5}
     text = str(render_model_card(config, training_summary=run)[0])
     assert "| Loss, first → last step | 1e+308 → 2.5000 |" in text and "| Final training loss | 2.5000 |" in text
+
+
+def _kill_during_the_swap(target: Path) -> Path:
+    """The state a save into ``target`` leaves when killed (SIGKILL) in its swap, after it moved the
+    old files aside and before it placed the new ones: the folder holds neither version."""
+    from hf_rope_ext import files
+
+    old = sorted(os.listdir(target))
+    aside = target / f"{files.INNER_ASIDE_PREFIX}killed"
+    aside.mkdir()
+    (aside / files.SWAP_JOURNAL).write_text(json.dumps({"old": old, "new": old}))
+    for name in old:
+        os.replace(target / name, aside / name)
+    past = time.time() - 60  # killed a minute ago: no run holds it
+    for path in (aside, *aside.iterdir()):
+        os.utime(path, (past, past), follow_symlinks=False)
+    return aside
+
+
+def test_loading_a_folder_whose_save_was_killed_during_the_swap_puts_the_previous_files_back(tmp_path):
+    from hf_rope_ext.loading import load_model
+
+    model = make_model("llama")
+    _patch(model, "yarn")
+    target = save_patched(model, tmp_path / "ckpt", tokenizer=_tokenizer(64))
+    files_before = {path.name: path.read_bytes() for path in target.iterdir()}
+    ids = random_ids(12)
+    with torch.no_grad():
+        expected = model(ids).logits
+    # evaluation's loader too: plain from_pretrained, transformers' own yarn frequencies (float32 angles)
+    plain = lambda folder: load_model(str(folder), device="cpu", attn_implementation="eager")[0]  # noqa: E731
+    patched = lambda folder: load_patched(folder, attn_implementation="eager")  # noqa: E731
+    for load, tolerance in ((patched, 0), (plain, 1e-5)):
+        _kill_during_the_swap(target)
+        assert not (target / "config.json").exists()
+        loaded = load(target)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, expected, atol=tolerance, rtol=tolerance)
+        assert {path.name: path.read_bytes() for path in target.iterdir()} == files_before
+
+
+def test_loading_a_folder_while_a_save_swaps_its_files_is_refused_in_one_line(tmp_path):
+    from hf_rope_ext import files
+
+    model = make_model("llama")
+    _patch(model, "yarn")
+    target = save_patched(model, tmp_path / "ckpt")
+    aside = _kill_during_the_swap(target)
+    with files._locked(aside):  # a save in another run holds its lock while it swaps
+        with pytest.raises(RuntimeError, match="is being written by a save .*once that save has finished"):
+            load_patched(target)
+    load_patched(target)  # the lock gone (the run died): the previous files are put back
+    assert (target / "config.json").is_file()
