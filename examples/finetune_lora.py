@@ -56,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as error:  # the loss became nan/inf: a failed run, not bad input
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
+        kept = (f"the checkpoints saved so far are kept in {args.output_dir}; rerun the same command with --resume to "
+                "go on from the last one" if getattr(args, "save_steps", 0) else "no checkpoint was written (--save-steps 0)")
+        print(f"\ninterrupted: {kept}.", file=sys.stderr)
+        return 130
     if summary:  # the main process
         keys = ("method", "scale", "target_length", "pose", "steps", "tokens_seen", "tokens_per_second", "final_loss", "wall_time_s")
         print(json.dumps({key: summary[key] for key in keys}, indent=2))

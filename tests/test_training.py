@@ -951,6 +951,22 @@ def test_example_script_reports_a_diverged_run_in_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: The loss became nan at step 3; lower --learning-rate or check the data.\n"
 
 
+@pytest.mark.parametrize("save_steps, kept", [
+    ([], "no checkpoint was written (--save-steps 0)"),
+    (["--save-steps", "5", "--max-steps", "20"], "the checkpoints saved so far are kept in out; rerun the same command with --resume"),
+])
+def test_example_script_reports_ctrl_c_in_one_line(monkeypatch, capsys, save_steps, kept):
+    script = load_example_script()
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(script, "finetune", interrupted)
+    assert script.main(SCRIPT_ARGUMENTS + save_steps) == 130
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("interrupted: ") and kept in error and "\n" not in error and "Traceback" not in error
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--dataset-split", "train"], "--dataset-split only applies to --dataset; drop it when training on --text-files."),
     (["--text-field", "text"], "--text-field only applies to --dataset; drop it when training on --text-files."),
