@@ -210,6 +210,18 @@ def _undo_swap(target: Path, aside: Path) -> None:
     logger.warning("%s: a save was interrupted while it replaced the folder's files; the previous files are back.", target)
 
 
+def _remove_stale_temporaries(folder: Path, prefix: str) -> None:
+    """Remove the temporary files of earlier :func:`atomic_path` writes of the same file that a
+    killed run left (SIGKILL skips their clean-up): ``prefix`` and tempfile's random part, older
+    than :data:`STALE_STAGING_SECONDS` (the small files written this way take seconds)."""
+    now = time.time()
+    for leftover in folder.glob(glob.escape(prefix) + "?" * _RANDOM_PART):
+        with contextlib.suppress(OSError):  # removed meanwhile, or not ours to remove
+            if leftover.is_file() and not leftover.is_symlink() and now - leftover.lstat().st_mtime > STALE_STAGING_SECONDS:
+                leftover.unlink()
+                logger.info("Removed %s, left by an interrupted write.", leftover)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it over ``path`` once the block succeeds.
@@ -219,7 +231,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=hidden_prefix(path.parent, path.name, "."), dir=path.parent)
+    prefix = hidden_prefix(path.parent, path.name, ".")
+    _remove_stale_temporaries(path.parent, prefix)
+    handle, temporary = tempfile.mkstemp(prefix=prefix, dir=path.parent)
     os.close(handle)
     # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's).
     os.chmod(temporary, stat.S_IMODE(path.stat().st_mode) if path.is_file() else 0o666 & ~current_umask())

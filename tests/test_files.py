@@ -222,3 +222,23 @@ def test_names_up_to_the_file_system_limit_can_be_written(tmp_path, length):
         temporary.write_text("2")
     assert (tmp_path / name / "x").read_text() == "1" and (tmp_path / name / name).read_text() == "2"
     assert os.listdir(tmp_path) == [name]
+
+
+def test_atomic_path_removes_what_a_killed_write_of_the_same_file_left(tmp_path):
+    """SIGKILL skips atomic_path's clean-up: the next write of the same file removes the temporary
+    file it left once it is older than any write takes; a fresh one (a write running now), another
+    file's, and a file of the user's with a similar name stay."""
+    from hf_rope_ext import files
+
+    target = tmp_path / "report.png"
+    stale, fresh = tmp_path / ".report.png.abcd1234", tmp_path / ".report.png.wxyz9876"
+    others = [tmp_path / ".summary.json.abcd1234", tmp_path / ".report.png.backup-of-mine"]
+    for path in (stale, fresh, *others):
+        path.write_text("left")
+    past = time.time() - files.STALE_STAGING_SECONDS - 60
+    for path in (stale, *others):
+        os.utime(path, (past, past))
+    with atomic_path(target) as temporary:
+        temporary.write_text("new")
+    assert target.read_text() == "new"
+    assert not stale.exists() and fresh.exists() and all(path.exists() for path in others)
