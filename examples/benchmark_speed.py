@@ -199,14 +199,22 @@ def forward_benchmark(model, ids, repeats: int, methods=STATIC_METHODS, scale: f
 DECODE_SHAPES = ((1.1, "N"), (1.5, "N"), (1.9, "N"), (1.0, "L0"))
 
 
-def decode_benchmark(args, model, tokenizer_vocab: int, device, progress_file: Path | None = None) -> dict:
+def random_ids(vocabulary: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """Random token ids past the first 100 (special tokens sit there), any id of a smaller vocabulary.
+
+    ``vocabulary``: the ids both the tokenizer and the model's embedding know (the smaller of the two)."""
+    first = 100 if vocabulary > 101 else 0
+    return torch.randint(first, max(first + 1, vocabulary - 1), (1, length), generator=generator)
+
+
+def decode_benchmark(args, model, vocabulary: int, device, progress_file: Path | None = None) -> dict:
     original = args.original_context or model.config.max_position_embeddings
     generator = torch.Generator().manual_seed(args.seed)
     shapes = []
     for prompt_factor, new in DECODE_SHAPES:
         prompt_length = int(round(prompt_factor * original))
         new_tokens = original if new == "L0" else args.decode_new_tokens
-        prompt = torch.randint(100, tokenizer_vocab - 1, (1, prompt_length), generator=generator).to(device)
+        prompt = random_ids(vocabulary, prompt_length, generator).to(device)
         shapes.append((f"{prompt_factor:g} x L0 + {new_tokens}", prompt, new_tokens))
 
     # transformers' own dynamic NTK with the same original context and factor.
@@ -351,12 +359,9 @@ def _run(args: argparse.Namespace) -> int:
     device = next(model.parameters()).device
     report = {"model": resolve_model_path(args.model), "device": str(device), "dtype": str(model.dtype),
               "torch_threads": torch.get_num_threads()}
+    vocabulary = min(len(tokenizer), model.config.vocab_size)
     if not args.skip_forward:
-        # random tokens past the first 100 ids (special tokens sit there), any id of a smaller vocabulary
-        vocabulary = min(len(tokenizer), model.config.vocab_size)
-        first = 100 if vocabulary > 101 else 0
-        ids = torch.randint(first, max(first + 1, vocabulary - 1), (1, args.forward_tokens),
-                            generator=torch.Generator().manual_seed(args.seed)).to(device)
+        ids = random_ids(vocabulary, args.forward_tokens, torch.Generator().manual_seed(args.seed)).to(device)
         report["forward"] = {"tokens": args.forward_tokens, **forward_benchmark(
             model, ids, args.forward_repeats, args.forward_methods, args.forward_scale)}
         print(f"Forward pass, {args.forward_tokens} tokens, best of {args.forward_repeats} (median):")
@@ -366,8 +371,7 @@ def _run(args: argparse.Namespace) -> int:
                       f"   rotary module {row['rotary_ms']:.2f} ms ({row['rotary_extra_share']:+.3%} of the forward)")
     step_methods = args.decode_step_methods
     if step_methods:
-        ids = torch.randint(100, len(tokenizer) - 1, (1, args.decode_step_tokens + 1),
-                            generator=torch.Generator().manual_seed(args.seed)).to(device)
+        ids = random_ids(vocabulary, args.decode_step_tokens + 1, torch.Generator().manual_seed(args.seed)).to(device)
         report["decode_step"] = {"cache_tokens": args.decode_step_tokens, "scale": args.forward_scale,
                                  **decode_step_benchmark(model, ids, step_methods, args.forward_scale,
                                                          args.decode_step_repeats)}
@@ -378,7 +382,7 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"  {name:<12} {row['min_s'] * 1000:9.1f} ms ({row['median_s'] * 1000:.1f})   "
                       f"patched/unpatched {row['ratio']:.2f}")
     if not args.skip_decode:
-        report["decode"] = decode_benchmark(args, model, len(tokenizer), device, args.output_dir / "decode_rounds.json")
+        report["decode"] = decode_benchmark(args, model, vocabulary, device, args.output_dir / "decode_rounds.json")
         d = report["decode"]
         print(f"Total generate time, original context {d['original_context']}, hf_rope_ext dynamic "
               f"(steps_per_doubling={d['steps_per_doubling']}) / transformers dynamic, best of {args.decode_repeats} rounds:")

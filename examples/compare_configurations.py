@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -51,8 +52,35 @@ from hf_rope_ext.evaluation.records import (
 from hf_rope_ext.evaluation.runner import model_fingerprint
 from hf_rope_ext.files import atomic_write_text
 from hf_rope_ext.loading import load_model
+from hf_rope_ext.validation import check_scale
 
 logger = logging.getLogger("compare_configurations")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# what results_tables reads from each record, and what it must hold
+TABLE_FIELDS = {
+    "config": ("configuration name", lambda value: isinstance(value, str)),
+    "scale": ("number", _number),
+    "length": ("number of tokens", _number),
+    "edges": ("list of range edges", lambda value: isinstance(value, list) and all(_number(e) for e in value)),
+    "ppl": ("list of perplexities", lambda value: isinstance(value, list) and all(_number(p) for p in value)),
+    "seconds": ("number of seconds", _number),
+    "peak_gpu_gib": ("number of GiB", lambda value: value is None or _number(value)),
+    "peak_rss_gib": ("number of GiB", lambda value: value is None or _number(value)),
+}
+
+
+def check_table_fields(records: list[dict], path: Path) -> None:
+    """Refuses a stored record the table cannot show before the model loads, not after the new forwards."""
+    for number, record in enumerate(records, start=1):
+        for field, (holds, valid) in TABLE_FIELDS.items():
+            if not valid(record.get(field)):
+                raise ValueError(f"{path}: record {number} has no {holds} (field {field!r}, got "
+                                 f"{record.get(field)!r}); fix or remove that line, or use another --output-dir")
 
 
 def results_tables(rows: list[dict]) -> list[str]:
@@ -85,6 +113,10 @@ def main() -> None:
         run(parser)
     except (ValueError, OSError, TypeError) as error:  # bad input (a missing model, a broken file): one line
         parser.error(one_line(error))
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
+        print("\ninterrupted: the finished configurations are kept in the --output-dir's results.jsonl; rerun the same "
+              "command to go on.", file=sys.stderr)
+        sys.exit(130)
 
 
 def run(parser) -> None:
@@ -109,6 +141,12 @@ def run(parser) -> None:
         parsed = [parse_configuration(spec) for spec in specs]
     except ValueError as error:
         parser.error(one_line(error))
+    # the scale is written to every row and key, `none` rows too; 1 only for a run of `none` alone
+    if not (args.scale == 1 and all(method == "none" for method, _ in parsed)):
+        try:
+            check_scale(args.scale, "--scale")
+        except (ValueError, TypeError) as error:
+            parser.error(one_line(error))
     same = [spec for index, spec in enumerate(specs) if parsed[index] in parsed[:index]]
     if same:  # the same forward twice, and two rows of one configuration
         parser.error(f"--configs lists {same[0]!r} twice (as the same method and parameters); list it once")
@@ -134,6 +172,7 @@ def run(parser) -> None:
     results_path = output / "results.jsonl"
     stored = records_without_cut_line(results_path)  # drops a line cut by an interrupted append from the file
     check_script_results(stored, results_path)  # an hf-rope-ext eval folder: refused before the model loads
+    check_table_fields(stored, results_path)
     for record in stored:  # the table shows no text, and "time vs none" would compare two texts' forwards
         if record.get("text") != args.text_file.name:
             parser.error(f"{results_path} holds results for the text {record.get('text')!r}, not "

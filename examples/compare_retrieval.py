@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -49,6 +50,7 @@ from hf_rope_ext.evaluation.retrieval import TASKS, grade, greedy_generate, make
 from hf_rope_ext.evaluation.runner import model_fingerprint
 from hf_rope_ext.files import atomic_write_text
 from hf_rope_ext.loading import load_model
+from hf_rope_ext.validation import check_scale
 
 logger = logging.getLogger("compare_retrieval")
 
@@ -64,6 +66,35 @@ def _floats(text: str, name: str, parser) -> list[float]:
     if not values:
         parser.error(f"{name} is empty")
     return values
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _shown_trial(trial) -> bool:
+    return isinstance(trial, dict) and "output" in trial and _number(trial.get("answer_logprob", 0))
+
+
+# what the table reads from each record, and what it must hold
+TABLE_FIELDS = {
+    "trials": ("list of trials", lambda value: isinstance(value, list) and all(_shown_trial(t) for t in value)),
+    "config": ("configuration name", lambda value: isinstance(value, str)),
+    "scale": ("number", _number),
+    "length": ("number of tokens", _number),
+    "task": ("task name", lambda value: isinstance(value, str)),
+    "depth": ("number", _number),
+    "correct": ("count of correct trials", _number),
+}
+
+
+def check_table_fields(records: list[dict], path: Path) -> None:
+    """Refuses a stored record the table cannot show before the model loads, not after the new cases."""
+    for number, record in enumerate(records, start=1):
+        for field, (holds, valid) in TABLE_FIELDS.items():
+            if not valid(record.get(field)):
+                raise ValueError(f"{path}: record {number} has no {holds} (field {field!r}, got "
+                                 f"{record.get(field)!r}); fix or remove that line, or use another --output-dir")
 
 
 def _stored_trial(stored: dict, answer: str, needs_logprob: bool) -> dict | None:
@@ -98,6 +129,10 @@ def main() -> None:
         run(parser)
     except (ValueError, OSError, TypeError) as error:  # bad input (a missing model, a broken file): one line
         parser.error(one_line(error))
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
+        print("\ninterrupted: the finished cases are kept in the --output-dir's results.jsonl; rerun the same "
+              "command to go on.", file=sys.stderr)
+        sys.exit(130)
 
 
 def run(parser) -> None:
@@ -122,6 +157,12 @@ def run(parser) -> None:
         parsed = [parse_configuration(spec) for spec in specs]
     except ValueError as error:
         parser.error(one_line(error))
+    # the scale is written to every row and key, `none` rows too; 1 only for a run of `none` alone
+    if not (args.scale == 1 and all(method == "none" for method, _ in parsed)):
+        try:
+            check_scale(args.scale, "--scale")
+        except (ValueError, TypeError) as error:
+            parser.error(one_line(error))
     same = [spec for index, spec in enumerate(specs) if parsed[index] in parsed[:index]]
     if same:  # the same prompts twice, and two rows of one configuration
         parser.error(f"--configs lists {same[0]!r} twice (as the same method and parameters); list it once")
@@ -151,10 +192,7 @@ def run(parser) -> None:
     stored, stored_trials = records_without_cut_line(results_path), records_without_cut_line(trials_path)
     check_script_results(stored, results_path)  # before the model loads
     check_script_results(stored_trials, trials_path)
-    for number, record in enumerate(stored, start=1):  # the fields the table reads, before the model loads
-        if not isinstance(record.get("trials"), list) or not all(isinstance(trial, dict) for trial in record["trials"]):
-            parser.error(f"{results_path}: record {number} has no list of trials (field 'trials', got "
-                         f"{record.get('trials')!r}); fix or remove that line, or use another --output-dir")
+    check_table_fields(stored, results_path)
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
     name, fingerprint = model_label(args.model), model_fingerprint(model)

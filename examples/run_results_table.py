@@ -59,6 +59,13 @@ from hf_rope_ext.loading import load_model
 from hf_rope_ext.patching import DEFAULT_STEPS_PER_DOUBLING
 
 
+def _steps(text: str) -> int | None:
+    try:
+        return parse_steps_per_doubling(text)
+    except ValueError as error:  # argparse drops a ValueError's message, not an ArgumentTypeError's
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argument_parser(__doc__.split("\n\n")[0])
     add_text_files_argument(parser, required=True, help="one long document (over 32k tokens)")
@@ -73,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(parser, "--depths", type=float_list, default=[0.1, 0.5, 0.9])
     add_option(parser, "--trials", type=int, default=1, help="passkeys per length and depth")
     add_option(parser, "--seed", type=int, default=0)
-    add_option(parser, "--steps-per-doubling", type=parse_steps_per_doubling, default=DEFAULT_STEPS_PER_DOUBLING,
+    add_option(parser, "--steps-per-doubling", type=_steps, default=DEFAULT_STEPS_PER_DOUBLING,
                help="frequency steps of the length-dependent methods, or 'exact' (default: the package's)")
     add_device_arguments(parser)
     add_dtype_argument(parser)

@@ -635,6 +635,10 @@ def main(argv: list[str] | None = None) -> None:
     for option, value in (("--tokens", args.tokens), ("--bucket-size", args.bucket_size)):
         if value < 1:
             parser.error(f"{option} must be at least 1, got {value}")
+    # The first part of --out that exists must be a folder, or the workspace cannot be made (after the build).
+    existing = next(path for path in (args.out, *args.out.parents) if path.exists())
+    if not existing.is_dir():
+        parser.error(f"--out {args.out}: {existing} is a file, not a folder; give a folder for the results")
     if args.check_args:
         return
     cases = [CASES_BY_NAME[name] for name in args.cases.split(",")]

@@ -291,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: cache/runtimes/vllm-check)")
     parser.add_argument("--output", type=Path, default=REPO / "outputs" / "runtimes")
     args = parser.parse_args(argv)
+    for option, value in (("--tokens", args.tokens), ("--threads", args.threads)):
+        if value < 1:  # refused here, not masked by a missing vLLM venv or hit mid-run
+            parser.error(f"{option} must be at least 1, got {value}")
     if args.worker:
         return worker(args.worker)
     if args.install:

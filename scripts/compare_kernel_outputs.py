@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_rope_ext import patch_model
 from hf_rope_ext.attention import TWO_REGIME_SWITCH
@@ -38,13 +39,26 @@ def main() -> None:
         parser.error(f"{args.model} is not a checkpoint folder (no config.json)")
     if args.save is not None and args.save.exists():
         parser.error(f"{args.save} exists; give a new file name")
+    if args.save is not None and not args.save.parent.is_dir():  # else the result is lost after the forwards
+        parser.error(f"--save {args.save}: the folder {args.save.parent} does not exist; make it first")
     if args.against is not None and not args.against.is_file():
         parser.error(f"{args.against} is not a file")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
-    native = model.config.max_position_embeddings
+    config = AutoConfig.from_pretrained(args.model)
+    native = config.max_position_embeddings
     if args.tokens <= native:
         parser.error(f"--tokens must exceed the model's native context {native}")
+    other = None
+    if args.against is not None:  # read and checked before the model loads and the forwards run
+        shape = (args.tokens - native, config.hidden_size)
+        try:
+            other = load_file(args.against).get("hidden")
+        except SafetensorError as error:
+            parser.error(f"--against {args.against} is not a safetensors file ({error}); give a file --save wrote")
+        if other is None or tuple(other.shape) != shape:
+            parser.error(f"--against {args.against} holds no hidden states of shape {shape} (got "
+                         f"{None if other is None else tuple(other.shape)}); save it with the same model and --tokens")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
     patch_model(model, scale=args.tokens / native)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
@@ -63,8 +77,8 @@ def main() -> None:
     kernel, seconds = hidden()
     print(f"default x{args.tokens / native:g}, {args.tokens} tokens on {device}: body forward {seconds:.3f} s, "
           f"checksum {float(kernel.double().abs().sum()):.4f}, largest value {float(kernel.abs().max()):.3e}")
-    if args.against is not None:
-        other = load_file(args.against)["hidden"].to(device)
+    if other is not None:
+        other = other.to(device)
         print(f"  against {args.against}: largest difference {float((kernel - other).abs().max()):.3e}, "
               f"bitwise equal {torch.equal(kernel, other)}")
     if args.save is not None:

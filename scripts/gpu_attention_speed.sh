@@ -4,8 +4,14 @@
 # for this checkout and, if given, another one (run alternately, the same inputs: compare checksums).
 #
 #   bash scripts/gpu_attention_speed.sh [OTHER_CHECKOUT]
+#
+# Runs with the project's .venv/bin/python if there is one, else python3 (PYTHON overrides).
 set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+# the project's venv (scripts/setup.sh) unless PYTHON names another interpreter
 py=${PYTHON:-python3}
+if [ -z "${PYTHON:-}" ] && [ -x "$repo/.venv/bin/python" ]; then py=$repo/.venv/bin/python; fi
+if [[ $py == */* && $py != /* ]]; then py=$(cd "$(dirname "$py")" && pwd)/$(basename "$py"); fi  # before the cd below
 other=${1:-}
 if [ -n "$other" ]; then
   # Only prepended to PYTHONPATH: a folder without the package would fall through to this
@@ -16,7 +22,7 @@ if [ -n "$other" ]; then
   fi
   other=$(cd "$other" && pwd)  # absolute: the script runs from this checkout's root
 fi
-cd "$(dirname "$0")/.." || exit 1
+cd "$repo" || exit 1
 "$py" -c "import sys, torch
 sys.exit(0 if torch.cuda.is_available() else 'error: no CUDA GPU visible; on the CPU run scripts/time_remapped_attention.py')" || exit 1
 for tokens in 16384 65536; do

