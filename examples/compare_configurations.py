@@ -46,6 +46,8 @@ from hf_rope_ext.evaluation.records import (
     check_output_dir,
     check_same_model,
     check_script_results,
+    check_stored_fields,
+    is_number,
     read_records,
     records_without_cut_line,
 )
@@ -57,30 +59,17 @@ from hf_rope_ext.validation import check_scale
 logger = logging.getLogger("compare_configurations")
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 # what results_tables reads from each record, and what it must hold
 TABLE_FIELDS = {
     "config": ("configuration name", lambda value: isinstance(value, str)),
-    "scale": ("number", _number),
-    "length": ("number of tokens", _number),
-    "edges": ("list of range edges", lambda value: isinstance(value, list) and all(_number(e) for e in value)),
-    "ppl": ("list of perplexities", lambda value: isinstance(value, list) and all(_number(p) for p in value)),
-    "seconds": ("number of seconds", _number),
-    "peak_gpu_gib": ("number of GiB", lambda value: value is None or _number(value)),
-    "peak_rss_gib": ("number of GiB", lambda value: value is None or _number(value)),
+    "scale": ("number", is_number),
+    "length": ("number of tokens", is_number),
+    "edges": ("list of range edges", lambda value: isinstance(value, list) and all(is_number(e) for e in value)),
+    "ppl": ("list of perplexities", lambda value: isinstance(value, list) and all(is_number(p) for p in value)),
+    "seconds": ("number of seconds", is_number),
+    "peak_gpu_gib": ("number of GiB", lambda value: value is None or is_number(value)),
+    "peak_rss_gib": ("number of GiB", lambda value: value is None or is_number(value)),
 }
-
-
-def check_table_fields(records: list[dict], path: Path) -> None:
-    """Refuses a stored record the table cannot show before the model loads, not after the new forwards."""
-    for number, record in enumerate(records, start=1):
-        for field, (holds, valid) in TABLE_FIELDS.items():
-            if not valid(record.get(field)):
-                raise ValueError(f"{path}: record {number} has no {holds} (field {field!r}, got "
-                                 f"{record.get(field)!r}); fix or remove that line, or use another --output-dir")
 
 
 def results_tables(rows: list[dict]) -> list[str]:
@@ -172,7 +161,7 @@ def run(parser) -> None:
     results_path = output / "results.jsonl"
     stored = records_without_cut_line(results_path)  # drops a line cut by an interrupted append from the file
     check_script_results(stored, results_path)  # an hf-rope-ext eval folder: refused before the model loads
-    check_table_fields(stored, results_path)
+    check_stored_fields(stored, results_path, TABLE_FIELDS)
     for record in stored:  # the table shows no text, and "time vs none" would compare two texts' forwards
         if record.get("text") != args.text_file.name:
             parser.error(f"{results_path} holds results for the text {record.get('text')!r}, not "

@@ -43,6 +43,8 @@ from hf_rope_ext.evaluation.records import (
     check_output_dir,
     check_same_model,
     check_script_results,
+    check_stored_fields,
+    is_number,
     read_records,
     records_without_cut_line,
 )
@@ -68,33 +70,20 @@ def _floats(text: str, name: str, parser) -> list[float]:
     return values
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _shown_trial(trial) -> bool:
-    return isinstance(trial, dict) and "output" in trial and _number(trial.get("answer_logprob", 0))
+    return isinstance(trial, dict) and "output" in trial and is_number(trial.get("answer_logprob", 0))
 
 
 # what the table reads from each record, and what it must hold
 TABLE_FIELDS = {
     "trials": ("list of trials", lambda value: isinstance(value, list) and all(_shown_trial(t) for t in value)),
     "config": ("configuration name", lambda value: isinstance(value, str)),
-    "scale": ("number", _number),
-    "length": ("number of tokens", _number),
+    "scale": ("number", is_number),
+    "length": ("number of tokens", is_number),
     "task": ("task name", lambda value: isinstance(value, str)),
-    "depth": ("number", _number),
-    "correct": ("count of correct trials", _number),
+    "depth": ("number", is_number),
+    "correct": ("count of correct trials", is_number),
 }
-
-
-def check_table_fields(records: list[dict], path: Path) -> None:
-    """Refuses a stored record the table cannot show before the model loads, not after the new cases."""
-    for number, record in enumerate(records, start=1):
-        for field, (holds, valid) in TABLE_FIELDS.items():
-            if not valid(record.get(field)):
-                raise ValueError(f"{path}: record {number} has no {holds} (field {field!r}, got "
-                                 f"{record.get(field)!r}); fix or remove that line, or use another --output-dir")
 
 
 def _stored_trial(stored: dict, answer: str, needs_logprob: bool) -> dict | None:
@@ -192,7 +181,7 @@ def run(parser) -> None:
     stored, stored_trials = records_without_cut_line(results_path), records_without_cut_line(trials_path)
     check_script_results(stored, results_path)  # before the model loads
     check_script_results(stored_trials, trials_path)
-    check_table_fields(stored, results_path)
+    check_stored_fields(stored, results_path, TABLE_FIELDS)
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
     name, fingerprint = model_label(args.model), model_fingerprint(model)

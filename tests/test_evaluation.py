@@ -995,8 +995,9 @@ def test_compare_retrieval_example_resumes_inside_a_case(tiny_checkpoint, tmp_pa
         return real_generate(model, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(module, "greedy_generate", stopped_at_second)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stopped:  # Ctrl-C: one line and exit 130
         module.main()
+    assert stopped.value.code == 130
     assert not (output / "results.jsonl").exists()
     (first,) = [json.loads(line) for line in (output / "trials.jsonl").read_text().splitlines()]
     assert first["trial"] == 1

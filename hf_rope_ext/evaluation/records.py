@@ -53,7 +53,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..files import atomic_write_text, file_in_the_way
 
@@ -68,6 +68,8 @@ __all__ = [
     "check_record",
     "check_same_model",
     "check_script_results",
+    "check_stored_fields",
+    "is_number",
     "load_records",
     "parse_steps_per_doubling",
     "read_records",
@@ -157,6 +159,21 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+is_number = _is_number  # for the comparison scripts' field checks
+
+
+def check_stored_fields(records: list[Mapping[str, Any]], path: Path,
+                        fields: Mapping[str, tuple[str, Callable[[Any], bool]]]) -> None:
+    """Refuse a stored record whose ``fields`` (name: (what it holds, test)) a script's table reads
+    do not hold what the table needs, in one line naming the file, the record and the field:
+    before the model loads, not after the new forwards."""
+    for number, record in enumerate(records, start=1):
+        for field, (holds, valid) in fields.items():
+            if not valid(record.get(field)):
+                raise ValueError(f"{path}: record {number} has no {holds} (field {field!r}, got "
+                                 f"{record.get(field)!r}); fix or remove that line, or use another --output-dir")
 
 
 def _is_bucket(value: Any) -> bool:
