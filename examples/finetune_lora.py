@@ -31,9 +31,11 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from hf_rope_ext.arguments import argument_parser
 from hf_rope_ext.training import add_finetune_arguments, config_from_args, finetune
+from hf_rope_ext.training.checkpoint import latest_checkpoint
 from hf_rope_ext.training.model import needs_load_patched
 
 
@@ -57,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
+        latest = latest_checkpoint(Path(args.output_dir) / "checkpoints")
         kept = (f"the checkpoints saved so far are kept in {args.output_dir}; rerun the same command with --resume to "
-                "go on from the last one" if getattr(args, "save_steps", 0) else "no checkpoint was written (--save-steps 0)")
+                f"go on from the last one ({latest.name})" if latest is not None else
+                "no checkpoint had been written yet (--save-steps); rerun the command without --resume to start again")
         print(f"\ninterrupted: {kept}.", file=sys.stderr)
         return 130
     if summary:  # the main process

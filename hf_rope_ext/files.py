@@ -35,6 +35,9 @@ STALE_STAGING_SECONDS = 30 * 60
 # A folder just made by mkdtemp is locked right after; younger ones are left alone.
 _LOCK_GRACE_SECONDS = 2.0
 _RANDOM_PART = 8  # characters tempfile adds to a prefix
+# atomic_path's temporary files are ".NAME.hf_rope_ext-XXXXXXXX": a name no user file of the same
+# folder has, so that a killed write's leftovers can be told from the user's own hidden files
+TEMPORARY_MARK = ".hf_rope_ext-"
 
 
 def current_umask() -> int:
@@ -168,24 +171,45 @@ def remove_abandoned(target: str | os.PathLike, *, old_copies: bool = False) -> 
 
 def restore_interrupted_save(folder: str | os.PathLike) -> None:
     """Before ``folder`` is read: put back its files if a save into it was killed while it swapped
-    them (see :func:`_swap_in`): such a folder holds neither version until then. A swap still under
-    way in another process (or killed within the last seconds) is refused in one line."""
+    them (see :func:`_swap_in`): such a folder holds neither version until then. A swap under way
+    in another run is waited for (it holds its folder's lock for the few renames it takes);
+    concurrent loads take turns, so one undo runs, once."""
     folder = Path(folder)
     if not folder.is_dir():
         return
     for aside in sorted(folder.glob(glob.escape(INNER_ASIDE_PREFIX) + "*")):
-        if not aside.is_dir() or aside.is_symlink() or not (aside / SWAP_JOURNAL).is_file():
-            continue  # no journal: killed before anything was moved, the folder is whole
-        if not _abandoned(aside):
-            raise RuntimeError(f"{folder} is being written by a save (its files are being replaced); load it once that "
-                               "save has finished.")  # fmt: skip
+        if not aside.is_dir() or aside.is_symlink():
+            continue
         try:
-            _undo_swap(folder, aside)
-            shutil.rmtree(aside)
+            young = time.time() - aside.lstat().st_mtime
+            if young < _LOCK_GRACE_SECONDS:  # made a moment ago: its run may not have locked it yet
+                time.sleep(_LOCK_GRACE_SECONDS - young)
+            with _lock_held(aside):
+                if not (aside / SWAP_JOURNAL).is_file():
+                    continue  # finished, undone by another load, or killed before it moved anything
+                _undo_swap(folder, aside)
+                os.unlink(aside / SWAP_JOURNAL)
+                shutil.rmtree(aside)
+        except FileNotFoundError:
+            continue  # its run finished meanwhile and removed it
         except OSError as error:
             raise OSError(f"{folder}: a save was interrupted while it replaced the folder's files, and putting the "
                           f"previous ones back failed ({error.strerror or error}); they are in {aside}: move them "
                           f"back into {folder}.") from None  # fmt: skip
+
+
+@contextlib.contextmanager
+def _lock_held(folder: Path) -> Iterator[None]:
+    """Wait for, and hold, the lock of ``folder`` that :func:`_locked` takes (none on systems
+    without ``fcntl``: there the grace period alone separates runs)."""
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        if fcntl is not None:
+            with contextlib.suppress(OSError):  # no locks on this file system (some network mounts)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)
 
 
 def _undo_swap(target: Path, aside: Path) -> None:
@@ -212,8 +236,9 @@ def _undo_swap(target: Path, aside: Path) -> None:
 
 def _remove_stale_temporaries(folder: Path, prefix: str) -> None:
     """Remove the temporary files of earlier :func:`atomic_path` writes of the same file that a
-    killed run left (SIGKILL skips their clean-up): ``prefix`` and tempfile's random part, older
-    than :data:`STALE_STAGING_SECONDS` (the small files written this way take seconds)."""
+    killed run left (SIGKILL skips their clean-up): ``prefix`` (which holds :data:`TEMPORARY_MARK`)
+    and tempfile's random part, older than :data:`STALE_STAGING_SECONDS` (the small files written
+    this way take seconds)."""
     now = time.time()
     for leftover in folder.glob(glob.escape(prefix) + "?" * _RANDOM_PART):
         with contextlib.suppress(OSError):  # removed meanwhile, or not ours to remove
@@ -231,7 +256,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    prefix = hidden_prefix(path.parent, path.name, ".")
+    prefix = hidden_prefix(path.parent, path.name, TEMPORARY_MARK)
     _remove_stale_temporaries(path.parent, prefix)
     handle, temporary = tempfile.mkstemp(prefix=prefix, dir=path.parent)
     os.close(handle)
@@ -295,6 +320,10 @@ def _swap_in(target: Path, staging: Path, keep: Callable[[str], bool] | None) ->
                 os.replace(aside / name, target / name)
             raise
         finally:
+            # the journal first: a run killed while the folder below is removed has finished (or
+            # undone) its swap, and a later load must not undo it again from what is left
+            with contextlib.suppress(OSError):
+                os.unlink(aside / SWAP_JOURNAL)
             shutil.rmtree(aside, ignore_errors=True)
 
 

@@ -231,8 +231,9 @@ def test_atomic_path_removes_what_a_killed_write_of_the_same_file_left(tmp_path)
     from hf_rope_ext import files
 
     target = tmp_path / "report.png"
-    stale, fresh = tmp_path / ".report.png.abcd1234", tmp_path / ".report.png.wxyz9876"
-    others = [tmp_path / ".summary.json.abcd1234", tmp_path / ".report.png.backup-of-mine"]
+    stale, fresh = tmp_path / ".report.png.hf_rope_ext-abcd1234", tmp_path / ".report.png.hf_rope_ext-wxyz9876"
+    others = [tmp_path / ".summary.json.hf_rope_ext-abcd1234", tmp_path / ".report.png.original",
+              tmp_path / ".report.png.20261101", tmp_path / ".report.png.backup-of-mine"]  # the user's own
     for path in (stale, fresh, *others):
         path.write_text("left")
     past = time.time() - files.STALE_STAGING_SECONDS - 60

@@ -1751,15 +1751,67 @@ def test_loading_a_folder_whose_save_was_killed_during_the_swap_puts_the_previou
         assert {path.name: path.read_bytes() for path in target.iterdir()} == files_before
 
 
-def test_loading_a_folder_while_a_save_swaps_its_files_is_refused_in_one_line(tmp_path):
+def test_loading_a_folder_while_a_save_swaps_its_files_waits_for_that_swap(tmp_path):
+    """A swap under way holds its lock: a load waits for it (here the run holding it dies, and the
+    load then puts the previous files back) instead of reading the folder half swapped."""
+    import threading
+
     from hf_rope_ext import files
 
     model = make_model("llama")
     _patch(model, "yarn")
     target = save_patched(model, tmp_path / "ckpt")
     aside = _kill_during_the_swap(target)
-    with files._locked(aside):  # a save in another run holds its lock while it swaps
-        with pytest.raises(RuntimeError, match="is being written by a save .*once that save has finished"):
-            load_patched(target)
-    load_patched(target)  # the lock gone (the run died): the previous files are put back
-    assert (target / "config.json").is_file()
+    held, events = threading.Event(), []
+
+    def swapping_run():
+        with files._locked(aside):
+            held.set()
+            time.sleep(0.5)
+            events.append("lock released")
+
+    thread = threading.Thread(target=swapping_run)
+    thread.start()
+    held.wait()
+    load_patched(target)
+    events.append("loaded")
+    thread.join()
+    assert events == ["lock released", "loaded"]
+    assert (target / "config.json").is_file() and not aside.exists()
+
+
+def test_a_save_killed_while_removing_its_aside_folder_is_not_undone_by_a_load(tmp_path):
+    """The swap's journal goes before the old files: a run killed while it removes them has placed
+    the whole new version, which a later load keeps (an undo from what is left would mix them)."""
+    from hf_rope_ext import files
+
+    model = make_model("llama")
+    _patch(model, "yarn")
+    target = save_patched(model, tmp_path / "ckpt")
+    other = make_model("llama", seed=1)
+    _patch(other, "linear", scale=2)
+    real_rmtree = files.shutil.rmtree
+    killed = []
+
+    def killed_halfway(path, *args, **kwargs):  # the old config.json removed, then the run dies
+        if Path(path).name.startswith(files.INNER_ASIDE_PREFIX) and not killed:
+            killed.append(path)
+            assert not (Path(path) / files.SWAP_JOURNAL).exists()
+            (Path(path) / "config.json").unlink()
+            past = time.time() - 60
+            os.utime(path, (past, past))
+            raise KeyboardInterrupt
+        return real_rmtree(path, *args, **kwargs)
+
+    files.shutil.rmtree = killed_halfway
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            save_patched(other, target)
+    finally:
+        files.shutil.rmtree = real_rmtree
+    assert killed
+    loaded = load_patched(target)
+    ids = random_ids(12)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, other(ids).logits, atol=1e-5, rtol=1e-5)
+    assert get_patch_info(loaded).method == "linear"

@@ -951,20 +951,31 @@ def test_example_script_reports_a_diverged_run_in_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: The loss became nan at step 3; lower --learning-rate or check the data.\n"
 
 
-@pytest.mark.parametrize("save_steps, kept", [
-    ([], "no checkpoint was written (--save-steps 0)"),
-    (["--save-steps", "5", "--max-steps", "20"], "the checkpoints saved so far are kept in out; rerun the same command with --resume"),
-])
-def test_example_script_reports_ctrl_c_in_one_line(monkeypatch, capsys, save_steps, kept):
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_example_script_reports_ctrl_c_in_one_line(monkeypatch, capsys, tmp_path, checkpoint):
+    """Ctrl-C: one line that says whether a checkpoint is there to --resume from (exit 130)."""
     script = load_example_script()
+    output = tmp_path / "out"
+    if checkpoint:  # what save_checkpoint leaves for a finished checkpoint
+        from hf_rope_ext.training.checkpoint import STATE_FILE, checkpoint_name
+
+        saved = output / "checkpoints" / checkpoint_name(5)
+        saved.mkdir(parents=True)
+        (saved / STATE_FILE).write_text("{}")
 
     def interrupted(config):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(script, "finetune", interrupted)
-    assert script.main(SCRIPT_ARGUMENTS + save_steps) == 130
+    arguments = ["--model", "m", "--output-dir", str(output), "--text-files", "a.txt", "--scale", "4", "--save-steps", "5",
+                 "--max-steps", "20"]
+    assert script.main(arguments) == 130
     error = capsys.readouterr().err.strip()
-    assert error.startswith("interrupted: ") and kept in error and "\n" not in error and "Traceback" not in error
+    assert error.startswith("interrupted: ") and "\n" not in error and "Traceback" not in error
+    if checkpoint:
+        assert f"rerun the same command with --resume to go on from the last one ({checkpoint_name(5)})" in error
+    else:
+        assert "no checkpoint had been written yet" in error and "without --resume" in error
 
 
 @pytest.mark.parametrize("flags, message", [
