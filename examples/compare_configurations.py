@@ -47,14 +47,13 @@ from hf_rope_ext.evaluation.records import (
     check_same_model,
     check_script_results,
     check_stored_fields,
-    is_number,
     read_records,
     records_without_cut_line,
 )
 from hf_rope_ext.evaluation.runner import model_fingerprint
 from hf_rope_ext.files import atomic_write_text
 from hf_rope_ext.loading import load_model
-from hf_rope_ext.validation import check_scale
+from hf_rope_ext.validation import check_scale, is_real
 
 logger = logging.getLogger("compare_configurations")
 
@@ -62,13 +61,13 @@ logger = logging.getLogger("compare_configurations")
 # what results_tables reads from each record, and what it must hold
 TABLE_FIELDS = {
     "config": ("configuration name", lambda value: isinstance(value, str)),
-    "scale": ("number", is_number),
-    "length": ("number of tokens", is_number),
-    "edges": ("list of range edges", lambda value: isinstance(value, list) and all(is_number(e) for e in value)),
-    "ppl": ("list of perplexities", lambda value: isinstance(value, list) and all(is_number(p) for p in value)),
-    "seconds": ("number of seconds", is_number),
-    "peak_gpu_gib": ("number of GiB", lambda value: value is None or is_number(value)),
-    "peak_rss_gib": ("number of GiB", lambda value: value is None or is_number(value)),
+    "scale": ("number", is_real),
+    "length": ("number of tokens", is_real),
+    "edges": ("list of range edges", lambda value: isinstance(value, list) and all(is_real(e) for e in value)),
+    "ppl": ("list of perplexities", lambda value: isinstance(value, list) and all(is_real(p) for p in value)),
+    "seconds": ("number of seconds", is_real),
+    "peak_gpu_gib": ("number of GiB", lambda value: value is None or is_real(value)),
+    "peak_rss_gib": ("number of GiB", lambda value: value is None or is_real(value)),
 }
 
 

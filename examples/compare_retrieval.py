@@ -44,7 +44,6 @@ from hf_rope_ext.evaluation.records import (
     check_same_model,
     check_script_results,
     check_stored_fields,
-    is_number,
     read_records,
     records_without_cut_line,
 )
@@ -52,7 +51,7 @@ from hf_rope_ext.evaluation.retrieval import TASKS, grade, greedy_generate, make
 from hf_rope_ext.evaluation.runner import model_fingerprint
 from hf_rope_ext.files import atomic_write_text
 from hf_rope_ext.loading import load_model
-from hf_rope_ext.validation import check_scale
+from hf_rope_ext.validation import check_scale, is_real
 
 logger = logging.getLogger("compare_retrieval")
 
@@ -71,18 +70,18 @@ def _floats(text: str, name: str, parser) -> list[float]:
 
 
 def _shown_trial(trial) -> bool:
-    return isinstance(trial, dict) and "output" in trial and is_number(trial.get("answer_logprob", 0))
+    return isinstance(trial, dict) and "output" in trial and is_real(trial.get("answer_logprob", 0))
 
 
 # what the table reads from each record, and what it must hold
 TABLE_FIELDS = {
     "trials": ("list of trials", lambda value: isinstance(value, list) and all(_shown_trial(t) for t in value)),
     "config": ("configuration name", lambda value: isinstance(value, str)),
-    "scale": ("number", is_number),
-    "length": ("number of tokens", is_number),
+    "scale": ("number", is_real),
+    "length": ("number of tokens", is_real),
     "task": ("task name", lambda value: isinstance(value, str)),
-    "depth": ("number", is_number),
-    "correct": ("count of correct trials", is_number),
+    "depth": ("number", is_real),
+    "correct": ("count of correct trials", is_real),
 }
 
 

@@ -103,15 +103,16 @@ def give_umask_permissions(folder: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
+def _locked(folder: Path, *, wait: bool = False) -> Iterator[None]:
     """Hold an advisory lock on ``folder`` while it is written, so that :func:`remove_abandoned`
     in another run tells it from one a killed run left (the kernel drops the lock of a dead
-    process)."""
+    process). ``wait``: wait for a run that holds it (else go on without it). No lock where the
+    system or file system has none: there the grace period and ages alone separate runs."""
     handle = None
     if fcntl is not None:
         with contextlib.suppress(OSError):
             handle = os.open(folder, os.O_RDONLY)
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
         yield
     finally:
@@ -184,7 +185,7 @@ def restore_interrupted_save(folder: str | os.PathLike) -> None:
             young = time.time() - aside.lstat().st_mtime
             if young < _LOCK_GRACE_SECONDS:  # made a moment ago: its run may not have locked it yet
                 time.sleep(_LOCK_GRACE_SECONDS - young)
-            with _lock_held(aside):
+            with _locked(aside, wait=True):
                 if not (aside / SWAP_JOURNAL).is_file():
                     continue  # finished, undone by another load, or killed before it moved anything
                 _undo_swap(folder, aside)
@@ -196,20 +197,6 @@ def restore_interrupted_save(folder: str | os.PathLike) -> None:
             raise OSError(f"{folder}: a save was interrupted while it replaced the folder's files, and putting the "
                           f"previous ones back failed ({error.strerror or error}); they are in {aside}: move them "
                           f"back into {folder}.") from None  # fmt: skip
-
-
-@contextlib.contextmanager
-def _lock_held(folder: Path) -> Iterator[None]:
-    """Wait for, and hold, the lock of ``folder`` that :func:`_locked` takes (none on systems
-    without ``fcntl``: there the grace period alone separates runs)."""
-    handle = os.open(folder, os.O_RDONLY)
-    try:
-        if fcntl is not None:
-            with contextlib.suppress(OSError):  # no locks on this file system (some network mounts)
-                fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(handle)
 
 
 def _undo_swap(target: Path, aside: Path) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,3 +168,14 @@ def paused_on_a_thread(module, run):
         release.set()
         thread.join()
         handle.remove()
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_repo_script(folder: str, name: str, module_name: str | None = None):
+    """``examples/NAME.py`` or ``scripts/NAME.py`` imported as a module (they are no package)."""
+    spec = importlib.util.spec_from_file_location(module_name or name, REPO / folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -6,7 +6,6 @@ test_attention.py.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 import subprocess
@@ -14,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_model
+from conftest import load_repo_script, make_model
 from test_bad_input import _word_tokenizer
 
 from hf_rope_ext.cli import build_parser
@@ -24,10 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def example(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_script("examples", name)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ installed or loaded."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import stat
@@ -15,16 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import load_repo_script, make_model
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_script("scripts", name)
 
 
 @pytest.fixture(scope="module")
@@ -195,11 +191,7 @@ def test_cuda_scripts_say_in_one_line_that_no_gpu_is_visible(name, monkeypatch, 
 def test_comparisons_report_ctrl_c_in_one_line(script, monkeypatch, capsys):
     """Ctrl-C: one line that says the finished cases are kept (exit 130), not the traceback of
     wherever it landed."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"{script}_ctrl_c", REPO / "examples" / f"{script}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_repo_script("examples", script, f"{script}_ctrl_c")
 
     def interrupted(parser):
         raise KeyboardInterrupt

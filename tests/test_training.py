@@ -8,7 +8,6 @@ forms of the PoSE scheme, and uninterrupted / single-process runs for resumed / 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -51,7 +50,7 @@ from hf_rope_ext.training import trainer as trainer_module
 from hf_rope_ext.training.environment import check_environment
 from hf_rope_ext.training.outputs import check_output_dir, truncate_log
 
-from conftest import FAMILIES, ORIGINAL_CONTEXT, make_config, make_model, native_twin
+from conftest import FAMILIES, ORIGINAL_CONTEXT, load_repo_script, make_config, make_model, native_twin
 
 REPO = Path(__file__).resolve().parents[1]
 L0 = ORIGINAL_CONTEXT
@@ -931,10 +930,7 @@ def test_example_script_reports_bad_input(tiny_model, tmp_path):
 
 
 def load_example_script():
-    spec = importlib.util.spec_from_file_location("finetune_lora_example", REPO / "examples" / "finetune_lora.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_script("examples", "finetune_lora", "finetune_lora_example")
 
 
 SCRIPT_ARGUMENTS = ["--model", "m", "--output-dir", "out", "--text-files", "a.txt", "--scale", "4"]

@@ -69,7 +69,6 @@ __all__ = [
     "check_same_model",
     "check_script_results",
     "check_stored_fields",
-    "is_number",
     "load_records",
     "parse_steps_per_doubling",
     "read_records",
@@ -159,9 +158,6 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-is_number = _is_number  # for the comparison scripts' field checks
 
 
 def check_stored_fields(records: list[Mapping[str, Any]], path: Path,
