@@ -156,7 +156,7 @@ def run(parser) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     output = Path(args.output_dir)
-    check_output_dir(output)
+    check_output_dir(output, reports=False)  # its table is table.md, not eval's reports
     results_path = output / "results.jsonl"
     stored = records_without_cut_line(results_path)  # drops a line cut by an interrupted append from the file
     check_script_results(stored, results_path)  # an hf-rope-ext eval folder: refused before the model loads

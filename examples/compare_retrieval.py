@@ -172,7 +172,7 @@ def run(parser) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     output = Path(args.output_dir)
-    check_output_dir(output)
+    check_output_dir(output, reports=False)  # its table is table.md, not eval's reports
     results_path = output / "results.jsonl"
     trials_path = output / "trials.jsonl"
     if trials_path.exists() and not trials_path.is_file():

@@ -35,6 +35,7 @@ cache now holds (:mod:`hf_rope_ext.cache_log`, which also follows the cache's ba
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import types
@@ -95,6 +96,8 @@ class PrefixRecompute:
         self._calls: list[_Call] = []
         self.forward_threads = ForwardThreads()
         self.planned_length: int | None = None
+        # (config, value) while a generate call has raised config.max_position_embeddings
+        self.context_before_generate: tuple[Any, int] | None = None
         self.recomputations = 0  # prefix recomputations since patching (for benchmarks and tests)
         self._warned_unplanned = False
         self.handles = [
@@ -102,6 +105,21 @@ class PrefixRecompute:
             caller.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
         ]
         self._generate_wrapped = _wrap_generate(model if model is not None else caller)
+
+    def __deepcopy__(self, memo: dict) -> PrefixRecompute:
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in vars(self).items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        # A plan, and the context a generate raised in the config, belong to a call under way on
+        # the original (a generate on another thread while the model is copied, as the refusal
+        # advises): the copy starts with neither.
+        copied.planned_length = None
+        if copied.context_before_generate is not None:
+            config, context = copied.context_before_generate
+            config.max_position_embeddings = context
+            copied.context_before_generate = None
+        return copied
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -115,13 +133,18 @@ class PrefixRecompute:
     @contextlib.contextmanager
     def planning(self, length: int | None) -> Iterator[None]:
         """Forwards inside use the frequencies of at least ``length`` tokens (None: no plan of
-        its own; an enclosing plan still holds)."""
-        previous = self.planned_length
-        self.planned_length = previous if length is None else max(int(length), previous or 0)
-        try:
-            yield
-        finally:
-            self.planned_length = previous
+        its own; an enclosing plan still holds).
+
+        The plan is stored on the patch, which all threads share, so the block holds the model for
+        its thread: another thread's forward in a gap between this block's forwards would get the
+        plan (refused, as an overlapping forward is), and so would its own plan (refused too)."""
+        with self.forward_threads.held():
+            previous = self.planned_length
+            self.planned_length = previous if length is None else max(int(length), previous or 0)
+            try:
+                yield
+            finally:
+                self.planned_length = previous
 
     def _frequency_length(self, needed: int) -> int | None:
         """The length whose frequencies a sequence of ``needed`` tokens gets now (None: the original)."""
@@ -372,6 +395,8 @@ def _generate_with_plan(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     plan = compat.planned_generation_length(self, args, kwargs)
     recomputes = _recomputes_in(self)
     with contextlib.ExitStack() as stack:
+        # The whole call holds the model for this thread (see PrefixRecompute.planning): the plan
+        # and the raised max_position_embeddings below last from the first forward to the last.
         for recompute in recomputes:
             stack.enter_context(recompute.planning(plan))
         stack.enter_context(_extended_context_in_config(self, recomputes))
@@ -395,10 +420,14 @@ def _extended_context_in_config(model: nn.Module, recomputes: list[PrefixRecompu
         yield
         return
     config.max_position_embeddings = extended
+    for recompute in recomputes:  # a copy of the model made meanwhile gets it back (PrefixRecompute.__deepcopy__)
+        recompute.context_before_generate = (config, current)
     try:
         yield
     finally:
         config.max_position_embeddings = current
+        for recompute in recomputes:
+            recompute.context_before_generate = None
 
 
 def _wrap_generate(model: nn.Module) -> list[nn.Module]:
@@ -436,6 +465,8 @@ def planned_length(model: nn.Module, length: int) -> Iterator[nn.Module]:
             logits = model(sequence).logits
 
     Static methods have no length-dependent frequencies: the context changes nothing for them.
+    For length-dependent ones the plan is the model's, so the block holds the model for this
+    thread: another thread's forward or ``generate`` of it meanwhile is refused (``RuntimeError``).
     """
     try:
         length = check_length(length, "planned_length's length")  # numpy and whole float lengths too

@@ -11,8 +11,9 @@ from .arguments import add_option, model_label
 from .config_io import read_record
 from .hub import read_checked_config
 from .loading import SMOLLM2_ALIASES, expand_home, resolve_model_path
-from .methods import get_method
+from .methods import REQUIRED, get_method
 from .runtimes import describe_patch, runtime_settings
+from .spec import split_method_spec
 
 # Python's spellings of JSON's true/false/null, which users type as often.
 _PYTHON_LITERALS = {"True": True, "False": False, "None": None}
@@ -93,9 +94,23 @@ def _params(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return params
 
 
+def _check_required_params(method: str | None, params: dict[str, Any]) -> None:
+    """Name the --param flag a method needs (the library's message names patch_model's argument)."""
+    if method is None:
+        return
+    name, _ = split_method_spec(method)
+    if not name:  # "+logn" alone: runtime_settings names the problem
+        return
+    missing = [key for key, value in get_method(name).defaults.items() if value is REQUIRED and key not in params]
+    if missing:
+        flags = " ".join(f"--param {key}=VALUE" for key in missing)
+        raise ValueError(f"--method {method} needs {flags} (VALUE in JSON, e.g. [1.0,1.5,2.0] for a list).")
+
+
 def _runtimes(args: argparse.Namespace) -> int:
     params = _params(args.param)
     _check_param_keys(params, args.model_dir)
+    _check_required_params(args.method, params)
     if args.steps_per_doubling is not None:
         params["steps_per_doubling"] = args.steps_per_doubling
     if args.model_dir:

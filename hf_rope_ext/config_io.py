@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import logging
 import math
 import weakref
@@ -71,7 +72,9 @@ from .methods import (
     is_builtin,
     list_methods,
     resolve_params,
+    yarn_mscale,
 )
+from .families import rotates_partial
 from .rotary import effective_length
 from .spec import PatchSpec, RecordError, extended_length
 from .validation import is_finite, is_real
@@ -91,6 +94,8 @@ __all__ = [
     "check_rope_spellings",
     "custom_rope_type",
     "extended_length",
+    "kept_rope_fields",
+    "legacy_attn_factor",
     "legacy_fields",
     "method_from_rope_type",
     "read_record",
@@ -169,9 +174,21 @@ def rope_config_for(
     return rope, max_positions
 
 
+def legacy_attn_factor(rope: Mapping[str, Any]) -> float | None:
+    """YaRN's ``attention_factor`` in the spelling older vLLM releases read: their ``attn_factor``
+    is multiplied by their own 0.1 ln(factor) + 1 (None: no attention_factor, or not yarn)."""
+    if rope.get("rope_type") != "yarn" or rope.get("attention_factor") is None:
+        return None
+    return float(rope["attention_factor"]) / yarn_mscale(float(rope["factor"]))
+
+
 def legacy_fields(rope: Mapping[str, Any]) -> dict[str, Any]:
     """``rope_scaling`` / ``rope_theta`` as transformers 4.x (and runtimes built on it) read them."""
     scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    if legacy_attn_factor(rope) is not None:
+        # vLLM releases on transformers 4.x pass only attn_factor to their YaRN; transformers
+        # itself uses attention_factor and ignores attn_factor (it logs it as unrecognized).
+        scaling["attn_factor"] = legacy_attn_factor(rope)
     fields = {
         "rope_theta": rope["rope_theta"],
         "rope_scaling": None if scaling.get("rope_type") == "default" else scaling,
@@ -188,12 +205,30 @@ def legacy_fields(rope: Mapping[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def rotary_dim_of(config: Any, rope: Mapping[str, Any] | None = None) -> int:
-    """Number of rotated dimensions per head, from the config."""
+    """Number of dimensions per head the family's rotary module rotates (what patch_model reads
+    from the module): Llama-style modules ignore ``partial_rotary_factor`` and rotate the whole head."""
     rope = rope if rope is not None else compat.rope_parameters(config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if not rotates_partial(getattr(config, "model_type", None)):
+        return _head_dim(config)
     factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
-    return int(head_dim * factor)
+    return int(_head_dim(config) * factor)
+
+
+def kept_rope_fields(config: Any, rope: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The base model's ``rope_parameters`` keys a patch keeps (``partial_rotary_factor``), as the
+    module really rotates them: transformers' scaled rope types (linear, yarn, ...) and vLLM read
+    the factor even for families whose own module ignores it, so a checkpoint must hold the true one."""
+    rope = rope if rope is not None else compat.rope_parameters(config)
+    if "partial_rotary_factor" not in rope:
+        return {}
+    if rotates_partial(getattr(config, "model_type", None)):
+        return {"partial_rotary_factor": rope["partial_rotary_factor"]}
+    return {"partial_rotary_factor": 1.0}
 
 
 def _record_error(config: Any, problem: str) -> ValueError:
@@ -253,7 +288,7 @@ def verify_record(config: Any) -> PatchSpec | None:
         return None
     rope = compat.rope_parameters(config)
     rotary_dim = rotary_dim_of(config, rope)
-    kept = {key: rope[key] for key in ("partial_rotary_factor",) if key in rope}
+    kept = kept_rope_fields(config, rope)
     try:
         recorded = PatchSpec.from_record(record, rotary_dim=rotary_dim, kept=kept)
     except RecordError as error:
@@ -261,7 +296,11 @@ def verify_record(config: Any) -> PatchSpec | None:
     method, scale, original = recorded.rope_method, recorded.scale, recorded.original_max_position_embeddings
     base = recorded.original_rope_theta
     expected_rope, expected_max_positions = rope_config_for(method, recorded.resolved_params(), base, rotary_dim, kept)
-    problems = _differences(expected_rope, rope)
+    # The legacy attn_factor (legacy_fields) is read back into rope_parameters by transformers 5.
+    actual = dict(rope)
+    if "attn_factor" in actual and "attn_factor" not in expected_rope:
+        expected_rope["attn_factor"] = legacy_attn_factor(expected_rope)
+    problems = _differences(expected_rope, actual)
     if config.max_position_embeddings != expected_max_positions:
         problems.append(
             f"max_position_embeddings is {config.max_position_embeddings!r}, expected {expected_max_positions}"
@@ -299,8 +338,25 @@ _NUMERIC_ROPE_FIELDS = ("factor", "beta_fast", "beta_slow", "attention_factor", 
                         "partial_rotary_factor")  # fmt: skip
 
 
+# transformers divides by these when it builds (and validates) the RoPE settings.
+_HEAD_SIZE_FIELDS = ("num_attention_heads", "hidden_size", "head_dim")
+
+
 def check_rope_types(raw: Mapping[str, Any], source: str) -> None:
-    """Refuse a config.json whose RoPE numbers are not numbers (``"beta_fast": "32"``), naming the field."""
+    """Refuse a config.json that is not a JSON object, whose head sizes are not positive whole
+    numbers, or whose RoPE numbers are not numbers (``"beta_fast": "32"``), naming the field."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(
+            f"{source}: config.json holds {json.dumps(raw)[:40]}, not a JSON object ({{...}}). Restore the file as "
+            "it was written."
+        )
+    for name in _HEAD_SIZE_FIELDS:
+        value = raw.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(
+                f"{source}: config.json has {name} = {value!r}; it must be a positive whole number. Restore the file "
+                "as it was written, or fix that field."
+            )
     fields = {"max_position_embeddings": raw.get("max_position_embeddings")}
     fields.update({key: raw[key] for key in _TOP_LEVEL_ROPE if key in raw})
     for spelling in ("rope_parameters", "rope_scaling"):
@@ -338,6 +394,8 @@ def check_rope_spellings(raw: Mapping[str, Any], source: str) -> None:
                 "written, or patch the model again."
             )
     expected = {key: value for key, value in params.items() if key != "rope_theta"}
+    if isinstance(legacy, Mapping) and "attn_factor" in legacy and legacy_attn_factor(params) is not None:
+        expected["attn_factor"] = legacy_attn_factor(params)  # written by legacy_fields
     problems = []
     if params.get("rope_type", "default") == "default":
         if legacy is not None:
@@ -360,7 +418,8 @@ def check_rope_spellings(raw: Mapping[str, Any], source: str) -> None:
     if problems:
         raise ValueError(
             f"{source}: config.json spells the RoPE settings twice and the two disagree ({'; '.join(problems)}). "
-            "transformers 5 reads rope_scaling first, so an edit of rope_parameters alone is ignored. Edit "
+            "transformers 5 reads rope_scaling first and other runtimes read rope_parameters, so an edit of one "
+            "alone takes effect in some runtimes only. Edit "
             "rope_parameters, rope_scaling and the top-level rope_theta the same way, or delete rope_scaling and "
             "the top-level rope_theta."
         )

@@ -16,6 +16,9 @@ class FamilyInfo:
     supported: bool
     tested: bool = False
     note: str = ""
+    # Whether the family's rotary module rotates head_dim * partial_rotary_factor dimensions.
+    # transformers' Llama-style modules ignore the factor and rotate the whole head.
+    partial_rotary: bool = False
 
 
 FAMILIES: dict[str, FamilyInfo] = {
@@ -30,9 +33,9 @@ FAMILIES: dict[str, FamilyInfo] = {
     "olmo2": FamilyInfo(True, tested=True, note="q/k norm before RoPE"),
     "starcoder2": FamilyInfo(True, tested=True, note="one rotary module for all layers"),
     "qwen3_moe": FamilyInfo(True, tested=True, note="mixture-of-experts MLP; same rotary module"),
-    "stablelm": FamilyInfo(True, tested=True, note="partial rotary dimension (partial_rotary_factor)"),
-    "gpt_neox": FamilyInfo(True, tested=True, note="partial rotary dimension (rotary_pct)"),
-    "phi3": FamilyInfo(True, tested=True, note="its config accepts only rope_type longrope"),
+    "stablelm": FamilyInfo(True, tested=True, note="partial rotary dimension (partial_rotary_factor)", partial_rotary=True),
+    "gpt_neox": FamilyInfo(True, tested=True, note="partial rotary dimension (rotary_pct)", partial_rotary=True),
+    "phi3": FamilyInfo(True, tested=True, note="its config accepts only rope_type longrope", partial_rotary=True),
     # Known not to fit.
     "gpt2": FamilyInfo(False, note="learned absolute position embeddings, no RoPE"),
     "gpt_neo": FamilyInfo(False, note="learned absolute position embeddings, no RoPE"),
@@ -52,7 +55,14 @@ FAMILIES: dict[str, FamilyInfo] = {
 
 
 def family_info(model_type: str | None) -> FamilyInfo | None:
-    return FAMILIES.get(model_type or "")
+    return FAMILIES.get(model_type) if isinstance(model_type, str) else None
+
+
+def rotates_partial(model_type: str | None) -> bool:
+    """Whether the family's rotary module honours ``partial_rotary_factor`` (unknown families: assumed,
+    as transformers' generic rope functions do)."""
+    info = family_info(model_type)
+    return info is None or info.partial_rotary
 
 
 def tested_families() -> list[str]:

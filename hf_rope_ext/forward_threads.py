@@ -5,22 +5,30 @@ method chose for it, the prefix it recomputes, an attention-level method's cache
 tables and position memos. A forward that another thread starts meanwhile would read or overwrite
 that state (wrong logits, not an error), so it is refused. A forward run inside another on the
 same thread (a hook that calls the model) is allowed: the hooks handle nesting themselves.
+
+Some calls span several forwards and keep state between them: ``generate`` (its planned length
+and the raised ``config.max_position_embeddings``), a ``planned_length`` block, and an unpatch or
+re-patch, which swaps the modules a forward runs. Such a call holds the model for its thread
+(:meth:`ForwardThreads.held`): another thread's forward or held call is refused meanwhile, and it
+is refused itself while another thread runs one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from types import CodeType, FrameType
 from typing import Any
 
 _LOCK = threading.Lock()
 
 CONCURRENT_FORWARD_MESSAGE = (
-    "this patched model is running a forward on another thread, and its per-forward state (the chosen frequencies, "
-    "cache geometry, key tables, position memos) belongs to one forward: give each thread its own copy "
-    "(copy.deepcopy(model) patches the copy), or wait for that forward to end."
+    "this patched model is running a forward on another thread (or a generate call or planned_length block, between "
+    "its forwards), and its per-forward state (the chosen frequencies, cache geometry, key tables, position memos) "
+    "belongs to that call: give each thread its own copy (copy.deepcopy(model) patches the copy), or wait for it to end."
 )
 
 
@@ -40,6 +48,8 @@ class ForwardThreads:
         # the code of the frame that runs the module's hooks (torch.nn.Module's call), learnt from
         # the first forward: a frame with this code and ``self`` the module is one of its forwards
         self._call_code: CodeType | None = None
+        # calls that hold the model for a thread across forwards (see held), counted per thread
+        self.holds: dict[int, int] = {}
 
     def __deepcopy__(self, memo: dict) -> ForwardThreads:
         return type(self)()
@@ -53,14 +63,38 @@ class ForwardThreads:
         with _LOCK:
             if self._call_code is None:
                 self._call_code = _calling_code(here, module)
-            if self.depths:
-                self._forget_ended(me, here, module)
-            if any(thread != me for thread in self.depths):
-                raise RuntimeError(CONCURRENT_FORWARD_MESSAGE)
+            self._refuse_other_threads(me, here, module, CONCURRENT_FORWARD_MESSAGE)
             self.depths[me] = depth = self.depths.get(me, 0) + 1
             if depth == 1:
                 self._modules[me] = weakref.ref(module)
         return depth
+
+    @contextlib.contextmanager
+    def held(self, refusal: str = CONCURRENT_FORWARD_MESSAGE) -> Iterator[None]:
+        """Hold the model for this thread during the block: another thread's forward or held
+        call is refused meanwhile, and the block is refused (``RuntimeError(refusal)``) while
+        another thread runs one. Forwards and held calls of this thread nest freely. Released
+        on every exit, ``KeyboardInterrupt`` included (it is a ``finally``, not a hook)."""
+        me = threading.get_ident()
+        with _LOCK:
+            self._refuse_other_threads(me, sys._getframe(), None, refusal)
+            self.holds[me] = self.holds.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with _LOCK:
+                if self.holds.get(me, 0) > 1:
+                    self.holds[me] -= 1
+                else:
+                    self.holds.pop(me, None)
+
+    def under_way_here(self) -> bool:
+        """Whether this thread runs a forward of the model now, or holds it (inside generate)."""
+        me = threading.get_ident()
+        with _LOCK:
+            if me in self.depths:
+                self._forget_ended(me, sys._getframe(), None)
+            return me in self.depths or me in self.holds
 
     def leave(self) -> int:
         """Count a forward of this thread out, and return how many it ran before (0: none, its
@@ -78,6 +112,20 @@ class ForwardThreads:
         with _LOCK:
             self.depths.clear()
             self._modules.clear()
+            self.holds.clear()
+
+    def _refuse_other_threads(self, me: int, here: FrameType, starting_module: Any, refusal: str) -> None:
+        """Raise ``RuntimeError(refusal)`` if a thread other than this one runs a forward or holds
+        the model (called under the lock)."""
+        if self.depths:
+            self._forget_ended(me, here, starting_module)
+        if any(thread != me for thread in self.holds):
+            # released by a finally: left over only by a thread that ended inside a block entered by hand
+            alive = sys._current_frames()
+            for thread in [thread for thread in self.holds if thread not in alive]:
+                del self.holds[thread]
+        if any(thread != me for thread in self.depths) or any(thread != me for thread in self.holds):
+            raise RuntimeError(refusal)
 
     def _forget(self, thread: int) -> None:
         del self.depths[thread]

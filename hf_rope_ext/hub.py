@@ -142,7 +142,8 @@ def save_patched(
         card_assets: files the card references (plots), copied next to it.
         legacy_fields: also write ``rope_scaling`` and top-level ``rope_theta`` (the
             transformers 4.x spelling, still read by runtimes built on it; checked to load to
-            the same logits with transformers 4.57). transformers 5 reads both spellings to the
+            the same logits with transformers 4.57), with YaRN's ``attention_factor`` also as the
+            ``attn_factor`` older vLLM releases read. transformers 5 reads both spellings to the
             same ``rope_parameters``, giving ``rope_scaling`` priority: edit both or neither.
         **save_kwargs: passed to ``model.save_pretrained`` (e.g. ``max_shard_size``).
 
@@ -194,11 +195,16 @@ def save_patched(
         elif _TOKENIZER_CONFIG in entries:
             _raise_kept_tokenizer_limit(target / _TOKENIZER_CONFIG, staging, recorded.extended_context)
         config_path = staging / "config.json"
+        saved = json.loads(config_path.read_text())
+        # The rotated fraction the module really has (config_io.kept_rope_fields): transformers'
+        # scaled rope types read partial_rotary_factor even where the family's module ignores it.
+        saved["rope_parameters"].update(recorded.kept)
+        if "partial_rotary_factor" in recorded.kept and "partial_rotary_factor" in saved:
+            saved["partial_rotary_factor"] = recorded.kept["partial_rotary_factor"]
         if legacy_fields:
-            saved = json.loads(config_path.read_text())
             saved.update(config_io.legacy_fields(saved["rope_parameters"]))
-            config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
-        _check_saved_config(staging, model.config)
+        config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+        _check_saved_config(staging, model.config, recorded)
         if card_text is not None:
             (staging / "README.md").write_text(card_text)
         for asset in assets:
@@ -394,12 +400,14 @@ def _save_tokenizer(tokenizer: Any, folder: Path, extended: int) -> None:
             tokenizer.model_max_length = previous
 
 
-def _check_saved_config(folder: Path, live_config: Any) -> None:
+def _check_saved_config(folder: Path, live_config: Any, recorded: PatchSpec) -> None:
     saved = read_checked_config(folder)
     config_io.verify_record(saved)
-    if saved.rope_parameters != live_config.rope_parameters or (
-        saved.max_position_embeddings != live_config.max_position_embeddings
-    ):
+    expected = {**live_config.rope_parameters, **recorded.kept}
+    read_back = dict(saved.rope_parameters)
+    if "attn_factor" not in expected:  # written for older runtimes only (config_io.legacy_fields)
+        read_back.pop("attn_factor", None)
+    if read_back != expected or saved.max_position_embeddings != live_config.max_position_embeddings:
         raise RuntimeError(
             f"The saved config.json reads back as rope_parameters={saved.rope_parameters}, max_position_embeddings="
             f"{saved.max_position_embeddings}, not as the model's {live_config.rope_parameters}, "
@@ -532,6 +540,13 @@ def read_checked_config(name_or_path: str | os.PathLike, **config_kwargs: Any):
             f"{name_or_path} has no config.json, so it is not a checkpoint folder (one written by save_patched or "
             "save_pretrained)."
         )
+    if (folder / "config.json").is_file():
+        # transformers fails on a JSON value that is not an object with a raw TypeError.
+        try:
+            local = json.loads((folder / "config.json").read_text())
+        except ValueError:  # not JSON (or not UTF-8): transformers' own message says so
+            local = {}
+        config_io.check_rope_types(local, str(name_or_path))
     raw, _ = PretrainedConfig.get_config_dict(name_or_path, **config_kwargs)
     config_io.check_rope_types(raw, str(name_or_path))
     config_io.check_rope_spellings(raw, str(name_or_path))

@@ -9,9 +9,11 @@ well under a second. Any other name is passed to ``from_pretrained`` (a Hub id o
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +241,27 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
         raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(set(DTYPES))} or 'auto'.") from None
 
 
+@contextlib.contextmanager
+def _progress_bars_hidden() -> Iterator[None]:
+    """Hide transformers' progress bars ("Loading weights") and huggingface_hub's (downloads, which
+    transformers switches with its own) inside the block, and put both settings back after it."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    transformers_shown = transformers_logging.is_progress_bar_enabled()
+    hub_hidden = are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if transformers_shown:
+            transformers_logging.enable_progress_bar()  # switches huggingface_hub's on too: set back below
+        if hub_hidden:
+            disable_progress_bars()
+        elif are_progress_bars_disabled():
+            enable_progress_bars()
+
+
 def load_model(
     name_or_path: str,
     *,
@@ -246,9 +269,13 @@ def load_model(
     device: str | None = None,
     device_map: str | dict | None = None,
     attn_implementation: str | None = "sdpa",
+    progress: bool = True,
     **kwargs: Any,
 ):
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode.
+
+    ``progress=False`` hides transformers' (and huggingface_hub's) progress bars during this call
+    only: their settings are as before once it returns.
 
     ``device_map`` (e.g. ``"auto"``) dispatches with accelerate; otherwise the model is moved to
     ``device`` (default: CUDA when available, else CPU); give one or the other. A weights file
@@ -275,7 +302,8 @@ def load_model(
             "there (tokenizer.save_pretrained(folder))."
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
+        with contextlib.nullcontext() if progress else _progress_bars_hidden():
+            model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
     except SafetensorError as error:
         damaged = damaged_safetensors(folder) if folder.is_dir() else None
         where = damaged[0] if damaged else path

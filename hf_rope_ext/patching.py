@@ -21,6 +21,7 @@ from torch import nn
 from . import compat, config_io
 from .cache_consistency import CacheRecord, PrefixRecompute
 from .families import check_supported, tested_families
+from .forward_threads import ForwardThreads
 from .methods import default_inv_freq, list_methods
 from .rotary import ExtendedRotaryEmbedding, attention_dropout_message
 from .spec import (
@@ -229,8 +230,11 @@ def patch_model(
     :mod:`hf_rope_ext.config_io`); a config object it shares with another model is left as it
     was, and :func:`unpatch_model` puts it back.
     Patching an already patched model starts again from the original: scales never compound.
+    Like :func:`unpatch_model`, that is refused while a call of the model is under way.
     """
     _check_is_model(model, "patch_model")
+    # before auto's calibration: the re-patch after it would be refused
+    _check_no_call_under_way(_patched_modules(model, "patch_model"), "patch_model")
     if isinstance(method, str) and method == AUTO_METHOD:
         with _keeping_the_patch_on_error(model):
             return _patch_auto(model, scale, max_length, original_max_length, steps_per_doubling, logn_attention, params)
@@ -307,7 +311,7 @@ def apply_spec(model: nn.Module, spec: PatchSpec) -> nn.Module:
         raise TypeError(f"apply_spec expects a PatchSpec, got {type(spec).__name__}.")
     _check_is_model(model, "apply_spec")
     with _keeping_the_patch_on_error(model):
-        _install(model, _rotary_target(model), spec)
+        _install(model, _rotary_target(model, "apply_spec"), spec)
     return model
 
 
@@ -318,14 +322,14 @@ class _Target:
         self.module_name, self.module, self.config, self.model_type = module_name, module, config, model_type
         self.base = float(rope["rope_theta"])
         self.rotary_dim = 2 * module.inv_freq.shape[-1]
-        self.kept = {key: rope[key] for key in ("partial_rotary_factor",) if key in rope}
+        self.kept = config_io.kept_rope_fields(config, rope)
         self.rope = rope
 
 
-def _rotary_target(model: nn.Module) -> _Target:
+def _rotary_target(model: nn.Module, function: str = "patch_model") -> _Target:
     """Unpatch ``model`` if needed, then find and check its rotary module."""
     if _patched_modules(model):
-        unpatch_model(model)
+        _unpatch(model, function)
     model_config = getattr(model, "config", None)
     if model_config is not None and getattr(model_config, "rope_parameters", None):
         compat.rope_parameters(model_config)  # clear error for per-layer-type RoPE before searching modules
@@ -489,11 +493,68 @@ def _swap_config(model: nn.Module, old: Any, new: Any) -> None:
                 attributes[name] = new
 
 
+_CALL_ELSEWHERE = (
+    "{function}: a forward or generate call of this patched model is under way on another thread, and it would "
+    "finish half patched (wrong logits); call {function} once it has ended, or give each thread its own copy "
+    "(copy.deepcopy(model))."
+)
+_CALL_HERE = (
+    "{function} was called inside a forward or generate call of this model (from a hook, a logits processor or a "
+    "planned_length block), which would go on half patched (wrong logits); call it after that call returns."
+)
+
+
+def _forward_threads(rotary: ExtendedRotaryEmbedding) -> list[ForwardThreads]:
+    """The counts of the calls under way that a patch keeps (length-dependent and attention-level
+    patches; a static rotary-only patch keeps none: its forwards may run on several threads, and
+    each computes its cos/sin once, before any swap could reach it)."""
+    counts = (getattr(guard, "forward_threads", None) for guard in (rotary.cache_guard, rotary.attention_patch))
+    return [each for each in counts if isinstance(each, ForwardThreads)]
+
+
+def _check_no_call_under_way(patched: list[tuple[str, ExtendedRotaryEmbedding]], function: str) -> None:
+    """Refuse to swap these patches while this thread runs a forward or generate of the model
+    (from a hook): that call would go on half patched. Another thread's call is refused, atomically,
+    by :func:`_holding_the_patch`."""
+    for _, rotary in patched:
+        if any(threads.under_way_here() for threads in _forward_threads(rotary)):
+            raise RuntimeError(_CALL_HERE.format(function=function))
+
+
+@contextlib.contextmanager
+def _holding_the_patch(patched: list[tuple[str, ExtendedRotaryEmbedding]], function: str) -> Iterator[None]:
+    """Hold the patch for this thread while it is swapped: refused if a forward or generate of
+    the model is under way on any thread, and another thread's forward is refused meanwhile."""
+    _check_no_call_under_way(patched, function)
+    with contextlib.ExitStack() as stack:
+        for _, rotary in patched:
+            for threads in _forward_threads(rotary):
+                stack.enter_context(threads.held(_CALL_ELSEWHERE.format(function=function)))
+        yield
+
+
 def unpatch_model(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_model`: the original rotary module, config object and no hooks. Returns the model."""
-    patched = _patched_modules(model, "unpatch_model")
+    """Undo :func:`patch_model`: the original rotary module, config object and no hooks. Returns the model.
+
+    Refused (``RuntimeError``) while a forward of the model, or a ``generate`` or
+    :func:`hf_rope_ext.planned_length` block of a length-dependent patch (the default's too), is
+    under way on another thread, or on this one from inside it (a hook, a logits processor): that
+    call would finish half patched. (Static rotary-only patches, such as yarn, count no calls: a
+    forward keeps the cos/sin it computed first.)
+    """
+    return _unpatch(model, "unpatch_model")
+
+
+def _unpatch(model: nn.Module, function: str) -> nn.Module:
+    patched = _patched_modules(model, function)
     if not patched:
         raise ValueError(f"{type(model).__name__} is not patched by hf_rope_ext; nothing to undo.")
+    with _holding_the_patch(patched, function):
+        _remove_patches(model, patched)
+    return model
+
+
+def _remove_patches(model: nn.Module, patched: list[tuple[str, ExtendedRotaryEmbedding]]) -> None:
     for module_name, rotary in patched:
         # The module and the config first: nothing below can fail and leave the model half patched.
         caller, attribute = owner_and_attribute(model, module_name)
@@ -511,7 +572,6 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         vars(rotary.config).clear()
         vars(rotary.config).update(unpatched)
         logger.info("Restored the original rotary embedding at %s.", module_name)
-    return model
 
 
 def get_patch_info(model: nn.Module) -> PatchSpec | None:

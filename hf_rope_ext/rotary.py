@@ -9,7 +9,9 @@ Numerics: the angle ``m * theta_i`` is formed in float64 and reduced modulo 2 pi
 cast to float32, so cos/sin are accurate to float32 rounding at any position. Plain float32
 ``m * theta_i`` (transformers) is off by up to 0.0039 rad at positions below 131072 (half a
 float32 step of the product), twice bfloat16's rounding of cos/sin (0.002). The frequencies
-stay float32/float64 whatever dtype the model is cast to.
+stay float32/float64 whatever dtype the model is cast to: forward reads them from a float64
+master that no cast reaches, not from the module's buffers (FSDP's ``buffer_dtype`` casts
+buffers in place, without ``_apply``).
 """
 
 from __future__ import annotations
@@ -195,11 +197,15 @@ class ExtendedRotaryEmbedding(nn.Module):
                     "but changes the frequencies there; such a method must keep the trained frequencies up to it."
                 )
         inv_freq, exact = initial.tensors(original.inv_freq.device)
-        # Buffers, so that torch.compile and device moves see them; `_apply` keeps their dtypes.
+        # Buffers, so that the module's device shows (`_apply` rebuilds them with their dtypes);
+        # forward reads `self._current`, which casts of the buffers themselves cannot reach.
         self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
         self.register_buffer("inv_freq_exact", exact.clone(), persistent=False)
         self.attention_scaling = initial.attention_factor
         self._current = initial
+        # Whether the original module may stand in for this one inside the original context
+        # (updated by `_apply`, which casts the original module too).
+        self.original_module_exact = self._original_frequencies_exact()
 
     # -- frequencies -------------------------------------------------------------------------
 
@@ -273,6 +279,7 @@ class ExtendedRotaryEmbedding(nn.Module):
         # The original module is outside the module tree: cast and move it as the unpatched model
         # would be, so that patch, cast, unpatch gives what the cast alone gives.
         self.original_rotary._apply(fn, recurse)
+        self.original_module_exact = self._original_frequencies_exact()
         return self
 
     # -- copying and pickling ----------------------------------------------------------------
@@ -302,10 +309,25 @@ class ExtendedRotaryEmbedding(nn.Module):
         copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return copied
 
+    def _original_frequencies_exact(self) -> bool:
+        """Whether the original module's frequencies are this module's own, to float32 rounding.
+
+        Decided by value, not dtype: a cast to fp16/bf16 and back leaves them float32 but rounded
+        (the original module would then rotate the keys cached inside the original context
+        otherwise than this module rotates beyond it), and a cast to float64 leaves them float64
+        with their float32 values unchanged.
+        """
+        inv_freq = self.original_rotary.inv_freq
+        exact = self._frequencies_for_length(None).inv_freq_f64
+        if not self.original_inside_context or inv_freq.is_meta or inv_freq.shape != exact.shape:
+            return False
+        # A float32 `base ** -x` (transformers' formula) is off by about ln(base) float32 roundings,
+        # its exponent being rounded; bf16/fp16 round by 2^-9 / 2^-12, far more.
+        tolerance = (max(math.log(self.base), 0.0) + 8) * torch.finfo(torch.float32).eps
+        return torch.allclose(inv_freq.detach().to("cpu", torch.float64), exact, rtol=tolerance, atol=0)
+
     def _use_original_module(self) -> bool:
-        # Not after a cast to fp16/bf16: the original module's frequencies are rounded then,
-        # while this module's stay float64/float32.
-        return self.original_inside_context and self.original_rotary.inv_freq.dtype == torch.float32
+        return self.original_module_exact
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -351,7 +373,7 @@ class ExtendedRotaryEmbedding(nn.Module):
                 # Attention-level methods that keep the trained frequencies: inside the original
                 # context the original module gives the unpatched model's outputs bitwise.
                 return self.original_rotary(x, position_ids)
-            inv_freq, exact = self.inv_freq.to(x.device), self.inv_freq_exact.to(x.device)
+            inv_freq, exact = self._current.tensors(x.device)
             attention_factor = self.attention_scaling
         angles = angles_for(position_ids.to(x.device), inv_freq, exact)
         emb = torch.cat((angles, angles), dim=-1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from .methods import (
     yarn_mscale,
 )
 from .spec import NOT_GIVEN, PatchSpec
+from .validation import is_real
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +153,15 @@ def describe_patch(
     Arguments mean what they mean for :func:`hf_rope_ext.patch_model`; ``rope_theta`` and
     ``rotary_dim`` are the base model's RoPE base and rotated dimensions per head.
     """
-    kept = {"partial_rotary_factor": partial_rotary_factor} if partial_rotary_factor is not None else {}
+    _check_method_name(method)
+    kept = {}
+    if partial_rotary_factor is not None:
+        if not (is_real(partial_rotary_factor) and 0 < partial_rotary_factor <= 1):
+            raise ValueError(
+                f"partial_rotary_factor must be a number with 0 < factor <= 1 (the fraction of each head that is "
+                f"rotated), got {partial_rotary_factor!r}; leave it out when the whole head is rotated."
+            )
+        kept = {"partial_rotary_factor": float(partial_rotary_factor)}
     return PatchSpec.create(
         method,
         scale,
@@ -162,6 +172,14 @@ def describe_patch(
         kept=kept,
         **params,
     )
+
+
+def _check_method_name(method: Any) -> None:
+    if isinstance(method, str) and method.strip() == LOGN_SUFFIX:
+        raise ValueError(
+            f"method {method!r} is only the suffix that adds log-n attention to a method; give the method with it, "
+            f"e.g. 'yarn{LOGN_SUFFIX}'."
+        )
 
 
 def _patch_of(
@@ -206,6 +224,7 @@ def _patch_of(
         return recorded, model_type
     if scaled is not None:
         raise ValueError(scaled)
+    _check_method_name(method)
     rope = compat.rope_parameters(config)
     if scale is None:
         raise ValueError("runtime_settings needs scale= together with method=.")
@@ -215,7 +234,7 @@ def _patch_of(
     original = patch_kwargs.pop("original_max_length", None)
     if original is None:  # not `or`: 0 is refused, as by describe_patch
         original = config.max_position_embeddings
-    kept = {key: rope[key] for key in ("partial_rotary_factor",) if key in rope}
+    kept = config_io.kept_rope_fields(config, rope)  # as the module rotates: config_io.rotary_dim_of
     patch = describe_patch(
         method,
         scale,
@@ -250,12 +269,15 @@ def runtime_settings(
     Where a runtime has no such method the result says so (``status="unsupported"``), or
     gives the closest static setting and explains the difference (``"approximate"``).
     """
+    if model_type is not None and not isinstance(model_type, str):
+        raise TypeError(f"model_type must be a transformers model_type string such as 'llama', got {model_type!r}.")
     patch, found_type = _patch_of(source, method, scale, dict(patch_kwargs))
     if patch.rotary_dim is not None and patch.original_rope_theta is not None:
         # What patch_model checks: finite, positive frequencies at the extended context (a huge
         # rope_theta overflows ntk's raised base to inf, which no runtime can be given).
         checked_frequencies(patch.rope_method, patch.rotary_dim, patch.original_rope_theta, patch.resolved_params(),
                             patch.extended_context)  # fmt: skip
+        _check_float32_base(patch)
     if model_type is not None and model_type != found_type:
         _check_model_type(model_type, patch)
     model_type = model_type or found_type
@@ -270,6 +292,25 @@ def runtime_settings(
         vllm=vllm,
         llama_cpp=llama_cpp,
     )
+
+
+def _check_float32_base(patch: PatchSpec) -> None:
+    """Refuse a RoPE base that the runtimes' float32 cannot hold (llama.cpp's --rope-freq-base and
+    GGUF freq_base, vLLM's rotary cache): the settings printed would overflow to inf there."""
+    bases = {"rope_theta": patch.original_rope_theta}
+    if patch.method == "ntk":  # the raised bases the settings print
+        bases["the NTK base"] = ntk_base(patch.original_rope_theta, patch.scale, patch.rotary_dim)
+    elif patch.method == "dynamic":
+        bases["the NTK base at the full length"] = _full_length_ntk_base(patch)
+    for name, value in bases.items():
+        if value > _FLOAT32_MAX:
+            raise ValueError(
+                f"{name} of this {patch.method} x{patch.scale:g} patch is {value:.6g}, beyond float32 "
+                f"({_FLOAT32_MAX:.4g}), which vLLM and llama.cpp compute RoPE in; use a smaller rope_theta or scale."
+            )
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _check_model_type(model_type: str, patch: PatchSpec) -> None:
@@ -455,7 +496,7 @@ def _vllm_yarn(patch: PatchSpec, status: str, notes: list[str]) -> RuntimeComman
         # `attention_factor` to its YaRN and uses it as the scale itself (checked by running it,
         # scripts/check_vllm.py); earlier releases passed only `attn_factor`, multiplied by their
         # own 0.1 ln(s) + 1. A release reads one of the two, so either way the scale is ours.
-        rope["attn_factor"] = float(params["attention_factor"]) / yarn_mscale(patch.scale)
+        rope["attn_factor"] = config_io.legacy_attn_factor(rope)
         notes.append(
             f"attention_factor={params['attention_factor']} is also written as attn_factor={rope['attn_factor']:.6g}: "
             "vLLM 0.32 reads attention_factor, older releases attn_factor x (0.1 ln s + 1); both give the same scale."
@@ -691,10 +732,41 @@ def llama_cpp_llama3(patch: PatchSpec, model_type: str | None = None) -> Runtime
 
 
 def llama_cpp_longrope(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:
-    return RuntimeCommand("llama.cpp", "unsupported", notes=(
-        "llama.cpp reads LongRoPE factors only for Phi-3 models (rope_factors_long/short tensors); "
-        f"{model_type or 'this'!r} checkpoints convert without them.",
-    ))  # fmt: skip
+    arch = gguf_arch(model_type)
+    if arch != "phi3":
+        return RuntimeCommand("llama.cpp", "unsupported", notes=(
+            "llama.cpp's converter (convert_hf_to_gguf.py) writes LongRoPE factors only for Phi-3 models "
+            f"(rope_factors_long/short tensors); {model_type or 'this'!r} checkpoints convert without them.",
+        ))  # fmt: skip
+    # What Phi3MiniModel in convert_hf_to_gguf.py writes (read from its source, not run here): the
+    # factors from rope_scaling, and its own attention factor from max_position_embeddings.
+    original, base = patch.original_max_position_embeddings, patch.original_rope_theta
+    params = patch.resolved_params()
+    ratio = patch.extended_context / original
+    converted_attention = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0
+    _, attention = patch.rope_method.compute(patch.rotary_dim, base, params, None)
+    rope, _ = _rope_as(patch)
+    status = "exact"
+    notes = [
+        "No command-line flags carry LongRoPE factors: convert the checkpoint saved with hf_rope_ext (with its "
+        "rope_scaling, save_patched's default) with convert_hf_to_gguf.py. It stores long_factor and short_factor as "
+        "the rope_factors_long/short tensors and the attention factor sqrt(1 + ln(s) / ln(L0)) as "
+        f"{arch}.rope.scaling.attn_factor; then only --ctx-size is needed."
+    ]
+    if rope["short_factor"] != rope["long_factor"]:
+        status = "approximate"
+        notes.append(
+            f"llama.cpp uses rope_factors_long for every input once --ctx-size exceeds {original}; the patch uses "
+            f"short_factor for inputs up to {original} tokens. Outputs agree for longer inputs."
+        )
+    if not math.isclose(float(attention), converted_attention, rel_tol=1e-6):
+        status = "approximate"
+        notes.append(
+            f"The converter ignores attention_factor={float(attention):g} and writes {converted_attention:.6g}; set "
+            f"{arch}.rope.scaling.attn_factor to {float(attention):g} in the GGUF file for the patch's scale."
+        )
+    metadata = {f"{arch}.rope.freq_base": base, f"{arch}.rope.scaling.attn_factor": converted_attention}
+    return llama_cpp_command(patch, model_type, {}, metadata, status=status, notes=notes)
 
 
 def llama_cpp_self_extend(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:

@@ -126,6 +126,10 @@ def split_method_spec(method: Any, logn_attention: Any = None) -> tuple[Any, boo
         bare = method[: -len(LOGN_SUFFIX)]
         if bare.endswith(LOGN_SUFFIX):
             raise ValueError(f"method {method!r} repeats the {LOGN_SUFFIX!r} suffix; give it once.")
+        if not bare:
+            raise ValueError(
+                f"method {method!r} names no method: {LOGN_SUFFIX!r} goes after one, e.g. 'yarn{LOGN_SUFFIX}'."
+            )
         if logn_attention is False:
             raise ValueError(
                 f"method {method!r} turns log-n attention on, but logn_attention=False; give one or the other."

@@ -188,6 +188,11 @@ CLI_CASES = {
                                               "no local folder named 'no-such-checkpoint-hf-rope-ext', and "),
     "demo at scale 0": (["demo", "--model", "{folder}/base", "--scale", "0", "--text-file", "{folder}/book.txt",
                          "--output-dir", "{folder}/demo-out"], r"Scales must be numbers > 1 .*got 0.0"),
+    "demo with a passkey length inside the native context": (["demo", "--model", "{folder}/base", "--passkey-length",
+                                                              "32", "--text-file", "{folder}/book.txt", "--output-dir",
+                                                              "{folder}/demo-out"],
+                                                             "--passkey-length 32 is within the model's native context "
+                                                             "of 32 tokens; the demo shows retrieval beyond it"),
     "auto with a scale beyond any context": (["auto", "--model", "{folder}/base", "--text-files", "{folder}/book.txt",
                                               "--scale", "1e308", "--no-cache"], "beyond the 2147483647 positions"),
 }  # fmt: skip
@@ -476,6 +481,7 @@ HUGE = {
     "betas 1e308": ({"scale": 4, "method": "yarn", "beta_fast": 1e308, "beta_slow": 1e307},
                     "'yarn' .*cannot compute its frequencies .*math domain error"),
     "logn suffix twice": ({"scale": 4, "method": "yarn+logn+logn"}, "repeats the '\\+logn' suffix"),
+    "logn suffix alone": ({"scale": 4, "method": "+logn"}, "names no method: '\\+logn' goes after one"),
 }  # fmt: skip
 
 

@@ -1211,7 +1211,20 @@ def _valid_records():
 @pytest.mark.parametrize(
     "index, edit, message",
     [
-        (0, {"tokens": None}, "field 'tokens' must be an integer >= 0, got None"),
+        (0, {"tokens": None}, "field 'tokens' must be an integer >= 1, got None"),
+        # impossible or inconsistent numbers: the reports would show them as results
+        (0, {"tokens": 0}, "field 'tokens' must be an integer >= 1, got 0"),
+        (0, {"nll": -3.0}, "field 'nll' must be a number >= 0 (or NaN/inf), got -3.0"),
+        (0, {"ppl": 5.0}, f"field 'ppl' is 5.0, but exp(nll) is {math.exp(_valid_records()[0]['nll'])!r}"),
+        (0, {"buckets": [[0, 8, -5.0], [8, 16, 12.0]]},
+         "field 'buckets' must be a list of [start, end, ppl] with 0 <= start < end <= context_length (16) and "
+         "ppl > 0, got [0, 8, -5.0]"),
+        (0, {"buckets": [[0, 8, 10.0], [8, 16, 12.0], [16, 100000, 3.0]]},
+         "field 'buckets' must be a list of [start, end, ppl] with 0 <= start < end <= context_length (16) and "
+         "ppl > 0, got [16, 100000, 3.0]"),
+        (0, {"model": None}, "field 'model' must be a non-empty string, got None"),
+        (0, {"model": "del"}, "field 'model' is missing"),
+        (1, {"accuracy": 0.9}, "field 'accuracy' is 0.9, but correct/trials is 1/2; they must agree"),
         (0, {"tokens": "del"}, "field 'tokens' is missing"),
         (0, {"nll": "abc"}, "field 'nll' must be a number"),
         (0, {"buckets": "del"}, "field 'buckets' is missing"),
@@ -1607,8 +1620,8 @@ def test_report_gives_each_dtype_stride_and_bucket_size_its_own_table(tmp_path):
         _record("none", None, "a", 16, buckets),
         _record("none", None, "a", 16, bf16, dtype="bf16"),
         _record("yarn", 2.0, "a", 16, buckets),
-        {**_record("none", None, "a", 16, buckets, **sliding, stride=4, nll=math.log(7.0)), "buckets": None},
-        {**_record("none", None, "a", 16, buckets, **sliding, stride=8, nll=math.log(5.0)), "buckets": None},
+        {**_record("none", None, "a", 16, buckets, **sliding, stride=4, nll=math.log(7.0), ppl=7.0), "buckets": None},
+        {**_record("none", None, "a", 16, buckets, **sliding, stride=8, nll=math.log(5.0), ppl=5.0), "buckets": None},
     ]  # fmt: skip
     write_reports(_write_results(tmp_path, records))
     markdown = (tmp_path / "results.md").read_text()
@@ -1695,7 +1708,9 @@ def test_nan_and_infinite_perplexities_still_give_every_report(tmp_path, caplog)
     written = {path.name for path in write_reports(_write_results(tmp_path, [broken]))}
     assert {"perplexity_by_position.png", "perplexity_vs_length.png", "results.md"} <= written
     assert "| none | nan |" in (tmp_path / "results.md").read_text()
-    assert math.isnan(json.loads((tmp_path / "summary.json").read_text())["perplexity"][0]["ppl"])
+    # summary.json is strict JSON (no NaN/Infinity tokens, which JSON.parse refuses): null there
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+    assert summary["perplexity"][0]["ppl"] is None and summary["perplexity"][0]["ranges"][0][2] is None
     model = make_model("llama")
     with torch.no_grad():
         model.model.norm.weight[0] = float("nan")
@@ -1907,3 +1922,124 @@ def test_nan_perplexity_is_shown_and_never_the_best_in_the_comparison(tmp_path):
     assert "| ntk | 2 | nan | nan |" in comparison_table(summary)
     (verdict,) = module.goal_checks(summary, 256)
     assert "does NOT beat the best other method, linear 30.00" in verdict
+
+
+# ----------------------------------------------------------------------------------------------
+# Found by review: folders of several models, hand edits, output folders, --report-only, progress
+# ----------------------------------------------------------------------------------------------
+
+
+def test_each_model_of_a_folder_gets_its_own_beyond_native_table(tmp_path):
+    """Two models with other native contexts in one folder: each section has the table of the
+    positions beyond its own model's native context (closed form from the buckets)."""
+    buckets = [[0, 4, 10.0], [4, 8, 8.0], [8, 12, 90.0], [12, 16, 120.0]]
+    records = [_record("none", None, "a", 16, buckets), {**_record("none", None, "a", 16, buckets), "model": "long",
+                                                          "native_context": 12}]  # fmt: skip
+    written = {path.name for path in write_reports(_write_results(tmp_path, records))}
+    markdown = (tmp_path / "results.md").read_text()
+    assert markdown.count("beyond the native context") == 2
+    short = math.exp((4 * math.log(90) + 4 * math.log(120)) / 8)  # positions 8..15, 4 tokens a bucket
+    sections = {section.split("\n")[0]: section for section in markdown.split("\n## ")[1:]}
+    assert f"| none | {short:.2f} |" in _table_after(sections["m"], "beyond the native context (8 ..")
+    assert "| none | 120.00 |" in _table_after(sections["long"], "beyond the native context (12 ..")
+    assert "perplexity_by_position.png" in written
+    rows = json.loads((tmp_path / "summary.json").read_text())["perplexity"]
+    assert sorted(row["native_context"] for row in rows) == [8, 12]
+
+
+@pytest.mark.parametrize("field, other", [("document_sha256", "ffff"), ("model_fingerprint", "abc")])
+def test_a_folder_naming_one_document_or_model_with_other_content_is_refused(tmp_path, capsys, field, other):
+    """What eval refuses to write (another text or checkpoint under a known name), edited in by
+    hand, is refused by --report-only too, instead of being pooled as one."""
+    records = [{**record, "model_fingerprint": "0123"} for record in _valid_records()]
+    records[0]["document_sha256"] = "0123"
+    records.append({**records[0], field: other})
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert cli_main(["eval", "--report-only", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {results}:3: field {field!r} is {other!r}, but line 1 names ")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "results.md").exists()
+
+
+def _immutable(path: Path):
+    """Make ``path`` unwritable for this user (root: chattr +i); returns the undo, or skips."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        mode = path.stat().st_mode
+        path.chmod(mode & ~0o222)
+        return lambda: path.chmod(mode)
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("no chattr on this file system")
+    return lambda: subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, capsys):
+    """A report name taken by a folder, a results.jsonl or folder that cannot be written: one line
+    naming it, before the model loads (the model here does not even exist), for eval and demo."""
+    book = tmp_path / "book.txt"
+    book.write_text("word " * 100)
+    model = str(tmp_path / "no-model")
+    blocked = tmp_path / "blocked"
+    (blocked / "results.md").mkdir(parents=True)
+    for command in ("eval", "demo"):
+        assert cli_main([command, "--model", model, "--text-file", str(book), "--output-dir", str(blocked)]) == 2
+        assert capsys.readouterr().err.strip() == (f"error: {blocked / 'results.md'} is a folder, where the report "
+                                                   "results.md is written; move it, or use another --output-dir.")
+    with pytest.raises(OSError, match=r"results.md could not be written \(Is a directory\)") as raised:
+        write_reports(_write_results(blocked, _valid_records()))
+    assert ".hf_rope_ext" not in str(raised.value)
+    for target, message in (("results.jsonl", "results.jsonl is not writable for you"), (".", "is not writable")):
+        folder = _write_results(tmp_path / f"ro{len(target)}", _valid_records())
+        undo = _immutable(folder / target)
+        try:
+            assert cli_main(["eval", "--model", model, "--text-file", str(book), "--output-dir", str(folder)]) == 2
+            err = capsys.readouterr().err
+            assert message in err and "Model folder not found" not in err
+        finally:
+            undo()
+
+
+def test_files_named_as_the_reports_without_results_are_kept(tmp_path, capsys):
+    """A folder with the user's own results.md / summary.json and no results.jsonl is not an
+    evaluation's: refused before any work, the files untouched (library and command line)."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "results.md").write_text("# my notes\n")
+    (folder / "summary.json").write_text('{"mine": 1}\n')
+    book = tmp_path / "book.txt"
+    book.write_text("word " * 100)
+    assert cli_main(["eval", "--model", str(tmp_path / "no-model"), "--text-file", str(book), "--output-dir",
+                     str(folder)]) == 2  # fmt: skip
+    assert "holds summary.json, results.md but no results.jsonl" in capsys.readouterr().err
+    model = make_model("llama")
+    counter = CallCounter(model)
+    with pytest.raises(EvaluationError, match="would be overwritten"):
+        run_evaluation(model, CharTokenizer(), _plan(), folder, documents={"doc": random_ids(80)[0]}, progress=False)
+    assert counter.calls == 0 and (folder / "results.md").read_text() == "# my notes\n"
+    assert sorted(path.name for path in folder.iterdir()) == ["results.md", "summary.json"]
+
+
+def test_report_only_refuses_the_options_it_would_ignore(tmp_path, capsys):
+    folder = _write_results(tmp_path / "out", _valid_records())
+    command = ["eval", "--report-only", "--output-dir", str(folder)]
+    assert cli_main([*command, "--methods", "bogus", "--scales", "-3", "--text-files", "nope.txt"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "leave out --text-files, --methods, --scales" in err
+    assert not (folder / "results.md").exists()
+    assert cli_main(command) == 0 and (folder / "results.md").is_file()
+
+
+def test_no_progress_hides_the_loading_bar_for_that_call_only(tiny_checkpoint, capfd):
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as transformers_logging
+
+    from hf_rope_ext.loading import load_model
+
+    load_model(str(tiny_checkpoint), device="cpu")
+    assert "Loading weights" in capfd.readouterr().err  # the bar hidden below
+    before = transformers_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    load_model(str(tiny_checkpoint), device="cpu", progress=False)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert (transformers_logging.is_progress_bar_enabled(), are_progress_bars_disabled()) == before

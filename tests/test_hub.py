@@ -1298,13 +1298,15 @@ def test_runtime_notes_describe_only_the_context_the_patch_reaches():
 
 
 def test_huge_rope_theta_is_printed_as_a_float_and_infinite_is_refused():
-    settings = runtime_settings(describe_patch("ntk", 4, original_max_length=8192, rope_theta=1e300, rotary_dim=64))
+    settings = runtime_settings(describe_patch("ntk", 4, original_max_length=8192, rope_theta=1e30, rotary_dim=64))
     flags = dict(zip(settings.llama_cpp.args[::2], settings.llama_cpp.args[1::2]))
-    expected = 1e300 * 4 ** (64 / 62)  # NTK-aware base: theta * s^(d / (d - 2))
+    expected = 1e30 * 4 ** (64 / 62)  # NTK-aware base: theta * s^(d / (d - 2))
     assert len(flags["--rope-freq-base"]) < 30 and float(flags["--rope-freq-base"]) == pytest.approx(expected, rel=1e-12)
     assert flags["--ctx-size"] == "32768"
     with pytest.raises(ValueError, match="rope_theta must be a finite number > 0, got inf"):
         describe_patch("yarn", 4, original_max_length=8192, rope_theta=math.inf, rotary_dim=64)
+    with pytest.raises(ValueError, match="rope_theta of this ntk x4 patch is 1e\\+300, beyond float32"):
+        runtime_settings(describe_patch("ntk", 4, original_max_length=8192, rope_theta=1e300, rotary_dim=64))
 
 
 def test_runtimes_cli_reads_the_smollm2_alias_python_literals_and_patched_checkpoints(tmp_path, monkeypatch, capsys):
@@ -1815,3 +1817,125 @@ def test_a_save_killed_while_removing_its_aside_folder_is_not_undone_by_a_load(t
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, other(ids).logits, atol=1e-5, rtol=1e-5)
     assert get_patch_info(loaded).method == "linear"
+
+# ----------------------------------------------------------------------------------------------
+# Runtime settings and checkpoints: defects found by review
+# ----------------------------------------------------------------------------------------------
+
+
+def test_saved_yarn_attention_factor_is_also_written_as_the_legacy_attn_factor(tmp_path):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model = make_model("llama")
+    patch_model(model, scale=3, method="yarn", attention_factor=1.3)
+    folder = save_patched(model, tmp_path / "ckpt")
+    raw = json.loads((folder / "config.json").read_text())
+    # Older vLLM multiplies attn_factor by its own 0.1 ln(s) + 1 (closed form).
+    assert math.isclose(raw["rope_scaling"]["attn_factor"], 1.3 / (0.1 * math.log(3) + 1), rel_tol=1e-12)
+    assert raw["rope_scaling"]["attention_factor"] == 1.3
+    # Plain transformers reads rope_scaling (with attn_factor) to the same frequencies and scale as
+    # the rope_parameters without it.
+    config = AutoConfig.from_pretrained(folder)
+    assert "attn_factor" in config.rope_parameters
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](config)
+    reference = AutoConfig.from_pretrained(folder)
+    reference.rope_parameters = dict(raw["rope_parameters"])
+    expected_freq, expected_attention = ROPE_INIT_FUNCTIONS["yarn"](reference)
+    torch.testing.assert_close(inv_freq, expected_freq, rtol=0, atol=0)
+    assert attention == expected_attention == 1.3
+    # The checkpoint passes its own checks, describes itself, and saves again.
+    assert runtime_settings(config).vllm.settings["legacy_hf_overrides"]["rope_scaling"]["attn_factor"] == \
+        raw["rope_scaling"]["attn_factor"]  # fmt: skip
+    save_patched(load_patched(folder), tmp_path / "again")
+
+
+@pytest.mark.parametrize("method", ["linear", "ntk", "yarn"])
+def test_partial_rotary_factor_that_the_llama_module_ignores(tmp_path, method):
+    # transformers' Llama rotates the whole head whatever partial_rotary_factor says.
+    model = make_model("llama", partial_rotary_factor=0.5)
+    head_dim = 2 * model.model.rotary_emb.inv_freq.numel()
+    base = model.config.rope_parameters["rope_theta"]
+    ids = random_ids(LENGTH)
+    _patch(model, method)
+    rope = runtime_settings(model).vllm.settings["hf_overrides"]["rope_parameters"]
+    assert rope["partial_rotary_factor"] == 1.0
+    if method == "ntk":  # the NTK base over the rotated dimensions: theta * s^(d / (d - 2))
+        assert math.isclose(rope["rope_theta"], base * 4 ** (head_dim / (head_dim - 2)), rel_tol=1e-12)
+    folder = save_patched(model, tmp_path / "ckpt")
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    torch.testing.assert_close(_logits(plain, ids), _logits(model, ids), rtol=1e-4, atol=1e-4)
+    # The patched model's own config says what it rotates, and the saved record checks the factor.
+    assert model.config.rope_parameters["partial_rotary_factor"] == 1.0
+    config_path = folder / "config.json"
+    saved = json.loads(config_path.read_text())
+    for spelling in ("rope_parameters", "rope_scaling"):  # ntk writes no rope_scaling
+        if saved.get(spelling) is not None:
+            saved[spelling]["partial_rotary_factor"] = 0.5
+    config_path.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        load_patched(folder)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[]", "config.json holds [], not a JSON object"),
+        ('"llama"', "config.json holds \"llama\", not a JSON object"),
+        ("3", "config.json holds 3, not a JSON object"),
+        ('{"model_type": "llama", "num_attention_heads": 0}', "config.json has num_attention_heads = 0; it must be a positive"),
+    ],
+)  # fmt: skip
+def test_runtimes_cli_names_a_damaged_config(tmp_path, capsys, content, message):
+    (tmp_path / "config.json").write_text(content)
+    assert cli_main(["runtimes", "--model-dir", str(tmp_path), "--method", "yarn", "--scale", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("factor", [float("nan"), 0.0, -0.5, 2.0, "0.5"])
+def test_describe_patch_refuses_a_partial_rotary_factor_outside_0_1(factor):
+    with pytest.raises(ValueError, match="partial_rotary_factor must be a number with 0 < factor <= 1"):
+        describe_patch("yarn", 4, original_max_length=8192, rope_theta=1e4, rotary_dim=64, partial_rotary_factor=factor)
+
+
+def test_llama_cpp_longrope_on_phi3_converts_with_its_factors():
+    original = 4096
+    long_factor = [1.0 + 0.1 * i for i in range(32)]
+
+    def llama_cpp(**params):
+        patch = describe_patch("longrope", 4, original_max_length=original, rope_theta=1e4, rotary_dim=64,
+                               long_factor=long_factor, **params)  # fmt: skip
+        return runtime_settings(patch, model_type="phi3").llama_cpp
+
+    # convert_hf_to_gguf.py (Phi3MiniModel) writes sqrt(1 + ln(s) / ln(L0)) as the attention factor.
+    same = llama_cpp(short_factor=long_factor)
+    assert same.status == "exact"
+    assert math.isclose(same.settings["gguf_metadata"]["phi3.rope.scaling.attn_factor"],
+                        math.sqrt(1 + math.log(4) / math.log(original)), rel_tol=1e-12)  # fmt: skip
+    assert llama_cpp().status == "approximate"  # short_factor (all ones) differs from long_factor
+    assert llama_cpp(short_factor=long_factor, attention_factor=1.2).status == "approximate"
+    assert not any("convert without" in note for note in same.notes)
+    other = runtime_settings(describe_patch("longrope", 4, original_max_length=original, rope_theta=1e4, rotary_dim=64,
+                                            long_factor=long_factor), model_type="llama").llama_cpp  # fmt: skip
+    assert other.status == "unsupported"
+
+
+def test_runtime_settings_minor_input_checks(tmp_path, capsys):
+    patch = describe_patch("ntk", 4, original_max_length=32, rope_theta=1e4, rotary_dim=16)
+    with pytest.raises(TypeError, match="model_type must be a transformers model_type string"):
+        runtime_settings(patch, model_type=5)
+    # 1e38 * 4^(16/14) is beyond float32, which both runtimes compute RoPE in.
+    with pytest.raises(ValueError, match="beyond float32"):
+        runtime_settings(describe_patch("ntk", 4, original_max_length=32, rope_theta=1e38, rotary_dim=16))
+    with pytest.raises(ValueError, match="'\\+logn' is only the suffix"):
+        runtime_settings(make_config("llama"), "+logn", 4)
+    assert cli_main(["runtimes", "--method", "longrope", "--scale", "4", "--original-context", "4096", "--rope-theta",
+                     "10000", "--rotary-dim", "64", "--model-type", "phi3"]) == 2  # fmt: skip
+    assert "--param long_factor=" in capsys.readouterr().err
+    model = make_model("llama")
+    _patch(model, "yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    _edit_raw_config(folder, lambda c: c["rope_scaling"].update(factor=2.0))
+    with pytest.raises(ValueError, match="disagree") as error:
+        load_patched(folder)
+    assert "edit of rope_parameters alone" not in str(error.value)

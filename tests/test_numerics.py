@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import ORIGINAL_CONTEXT, make_model, random_ids
+from transformers import DynamicCache
 
-from hf_rope_ext import patch_model
+from hf_rope_ext import DEFAULT_METHOD, patch_model
 from hf_rope_ext.rotary import ANGLE_BLOCK, rope_angles, rope_angles_float32
 
 HEAD_DIM, BASE, SCALE = 64, 10000.0, 4.0
@@ -92,3 +93,64 @@ def test_fp16_model_keeps_float32_frequencies(model):
         assert cos.dtype == torch.float16
     finally:
         model.to(torch.float32)
+
+
+@pytest.mark.parametrize("method", ["linear", "ntk"])
+def test_static_angles_survive_fsdp_buffer_mixed_precision(method):
+    """FSDP1's MixedPrecision(buffer_dtype=bf16) casts every buffer in place, without the module's
+    `_apply` (torch.distributed.fsdp._runtime_utils._cast_buffers_to_dtype_and_device): the
+    rotations must still be those of the float64 frequencies, past ANGLE_BLOCK too."""
+    model = make_model("llama", hidden_size=2 * HEAD_DIM, num_attention_heads=2, num_key_value_heads=1, head_dim=HEAD_DIM)
+    patch_model(model, scale=SCALE, method=method)
+    for buffer in model.buffers():
+        buffer.data = buffer.to(dtype=torch.bfloat16)
+    positions = torch.arange(0, 3 * ANGLE_BLOCK)[None]
+    cos, sin = model.model.rotary_emb(torch.zeros(1), positions)
+    angles = positions[..., None].double() * reference_inv_freq(method)
+    emb = torch.cat((angles, angles), dim=-1)
+    bound = 1e-6  # float32 rounding of the reduced angle and of cos/sin
+    assert (cos.double() - emb.cos()).abs().max().item() <= bound
+    assert (sin.double() - emb.sin()).abs().max().item() <= bound
+
+
+def _cached_decode_and_full_forward(model, ids: torch.Tensor, prefill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :prefill], past_key_values=cache).logits]
+        for position in range(prefill, ids.shape[1]):
+            steps.append(model(ids[:, position : position + 1], past_key_values=cache).logits)
+        full = model(ids).logits
+    return torch.cat(steps, dim=1), full
+
+
+@pytest.mark.parametrize("method", [DEFAULT_METHOD, "self-extend", "dual-chunk"])
+@pytest.mark.parametrize("cast_first", [True, False], ids=["half-patch-float", "patch-bfloat16-float"])
+def test_cached_decoding_equals_full_forward_after_a_half_precision_round_trip(method, cast_first):
+    """A round trip through fp16/bf16 leaves the original module float32 but rounded: it must not
+    rotate the keys cached inside the native context while the patch rotates beyond it."""
+    model = make_model("llama")
+    if cast_first:
+        model.half()
+    patch_model(model, scale=4, method=method)
+    if cast_first:
+        model.float()
+    else:
+        model.bfloat16().float()
+    ids = random_ids(2 * ORIGINAL_CONTEXT - 4)
+    decoded, full = _cached_decode_and_full_forward(model, ids, prefill=ORIGINAL_CONTEXT - 12)
+    torch.testing.assert_close(decoded, full, rtol=0, atol=1e-5)  # float32 noise; 7e-4 with rounded keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("method", [DEFAULT_METHOD, "dynamic-yarn", "dual-chunk"])
+@pytest.mark.parametrize("cast_first", [True, False], ids=["cast-patch", "patch-cast"])
+def test_inside_native_context_is_the_unpatched_model_bitwise_after_a_cast(dtype, method, cast_first):
+    plain = make_model("llama").to(dtype)
+    patched = make_model("llama")
+    if cast_first:
+        patched.to(dtype)
+    patch_model(patched, scale=4, method=method)
+    patched.to(dtype)
+    ids = random_ids(ORIGINAL_CONTEXT - 2)
+    with torch.no_grad():
+        assert torch.equal(patched(ids).logits, plain(ids).logits)

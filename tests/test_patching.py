@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import math
 import re
+import threading
 
 import pytest
 import torch
-from conftest import ORIGINAL_CONTEXT, TINY_SHAPE, make_model, native_twin, random_ids, strengthen_weights
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from conftest import (
+    ORIGINAL_CONTEXT,
+    TINY_SHAPE,
+    make_model,
+    native_twin,
+    on_a_thread,
+    paused_on_a_thread,
+    random_ids,
+    strengthen_weights,
+)
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
 
 import hf_rope_ext
 from hf_rope_ext import get_patch_info, patch_model, patched, unpatch_model
@@ -845,3 +857,182 @@ def test_attention_dropout_with_an_attention_level_method_is_refused_before_trai
     static = make_model("llama", attn_implementation="sdpa", attention_dropout=0.1).train()
     patch_model(static, 4, method="yarn")  # frequency methods apply dropout as transformers does
     static(ids, labels=ids).loss.backward()
+
+
+# -- threads: calls that span forwards, and swapping a patch while a call runs ------------------------
+
+ANOTHER_THREAD = "running a forward on another thread"
+
+
+class _AtStep(LogitsProcessor):
+    """Runs ``action()`` in generate's step ``step`` (between two forwards), on generate's thread."""
+
+    def __init__(self, step: int, action):
+        self.step, self.action, self.calls = step, action, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == self.step:
+            self.action()
+        return scores
+
+
+def _patched_pair(method: str):
+    """Two identically patched tiny models: the one under test and an untouched reference."""
+    models = [make_model("llama", attn_implementation="sdpa") for _ in range(2)]
+    return [patch_model(model, scale=4, method=method) for model in models]
+
+
+def _greedy(model, prompt, new_tokens, processors=()):
+    return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                          logits_processor=LogitsProcessorList(list(processors)))  # fmt: skip
+
+
+@contextlib.contextmanager
+def _generating_on_a_thread(model, prompt, new_tokens):
+    """Start a greedy ``generate`` on a thread of its own that waits between two of its forwards
+    until the block ends; yields the dict its tokens go in (``"result"``, once the block ended)."""
+    inside, release, outcome = threading.Event(), threading.Event(), {}
+
+    def pause():
+        inside.set()
+        release.wait(timeout=30)
+
+    def work():
+        with torch.no_grad():
+            outcome["result"] = _greedy(model, prompt, new_tokens, [_AtStep(3, pause)])
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    try:
+        assert inside.wait(timeout=30)
+        yield outcome
+    finally:
+        release.set()
+        thread.join()
+
+
+@pytest.mark.parametrize("method", ["self-extend-yarn", "dynamic"])
+def test_another_thread_is_refused_while_generate_runs_between_its_forwards(method):
+    """Between two forwards of a ``generate``, the patch holds that call's planned length (and a
+    raised max_position_embeddings): another thread's forward there was accepted and computed with
+    the other call's frequencies (0.3 off). The whole call now holds the model for its thread: a
+    forward, a generate, a planned_length block or an unpatch from another thread is refused in one
+    line, the running generate stays exact, and once it ended the other thread runs exactly."""
+    model, reference = _patched_pair(method)
+    prompt, short = random_ids(40), random_ids(20, seed=2)
+    with torch.no_grad():
+        expected_tokens = _greedy(reference, prompt, 30)
+        expected_short = reference(short).logits
+    with _generating_on_a_thread(model, prompt, 30) as first, torch.no_grad():
+        with pytest.raises(RuntimeError, match=ANOTHER_THREAD):
+            model(short)
+        with pytest.raises(RuntimeError, match=ANOTHER_THREAD):
+            _greedy(model, short, 8)
+        with pytest.raises(RuntimeError, match=ANOTHER_THREAD), hf_rope_ext.planned_length(model, 64):
+            pass
+        with pytest.raises(RuntimeError, match="unpatch_model: a forward or generate call .* on another thread"):
+            unpatch_model(model)
+    assert torch.equal(first["result"], expected_tokens)
+    assert model.config.max_position_embeddings == reference.config.max_position_embeddings
+    with torch.no_grad():
+        torch.testing.assert_close(model(short).logits, expected_short, atol=1e-5, rtol=1e-5)
+        assert torch.equal(_greedy(model, short, 8), _greedy(reference, short, 8))
+
+
+@pytest.mark.parametrize("method", ["self-extend-yarn", "dynamic"])
+def test_a_forward_inside_generate_on_its_own_thread_is_still_allowed(method):
+    """The hold is per thread: a logits processor may run the model inside generate (it gets the
+    call's plan, as documented), and another thread's generate afterwards runs exactly."""
+    model, reference = _patched_pair(method)
+    prompt, short = random_ids(40), random_ids(20, seed=2)
+    inner = {}
+    with torch.no_grad():
+        tokens = _greedy(model, prompt, 10, [_AtStep(4, lambda: inner.update(logits=model(short).logits))])
+        assert torch.equal(tokens, _greedy(reference, prompt, 10))
+        with hf_rope_ext.planned_length(reference, 40 + 10):  # the frequencies of the generate's plan
+            torch.testing.assert_close(inner["logits"], reference(short).logits, atol=1e-6, rtol=1e-6)
+    outcome = on_a_thread(lambda: _greedy(model, prompt, 10))
+    assert torch.equal(outcome.get("result"), tokens), outcome.get("error")
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, ValueError])
+def test_generate_stopped_by_an_exception_leaves_the_model_free_for_other_threads(stop):
+    """An interrupt or error inside generate (here from a logits processor, between forwards)
+    releases the call's hold: other threads run, unpatch works, and the plan is gone."""
+    model, reference = _patched_pair("dynamic")
+    prompt, short = random_ids(40), random_ids(20, seed=2)
+
+    def raise_it():
+        raise stop("stopped")
+
+    with pytest.raises(stop), torch.no_grad():
+        _greedy(model, prompt, 30, [_AtStep(3, raise_it)])
+    with torch.no_grad():
+        expected = reference(short).logits
+    outcome = on_a_thread(lambda: model(short).logits)
+    assert "error" not in outcome, outcome.get("error")
+    torch.testing.assert_close(outcome["result"], expected, atol=1e-5, rtol=1e-5)
+    assert model.config.max_position_embeddings == reference.config.max_position_embeddings
+    unpatch_model(model)
+
+
+@pytest.mark.parametrize("method", ["self-extend-yarn", "dynamic"])
+def test_a_copy_made_while_another_thread_generates_has_no_plan(method):
+    """The refusal advises a copy per thread; a copy made while the original is inside generate
+    took that call's plan with it for good (every forward of the copy 0.3 off), and the call's
+    raised max_position_embeddings (which a saved config would then carry)."""
+    model, reference = _patched_pair(method)
+    prompt, short = random_ids(40), random_ids(20, seed=2)
+    with _generating_on_a_thread(model, prompt, 30):
+        copied = copy.deepcopy(model)
+    assert copied.config.max_position_embeddings == reference.config.max_position_embeddings == L0
+    with torch.no_grad():
+        torch.testing.assert_close(copied(short).logits, reference(short).logits, atol=1e-6, rtol=1e-6)
+        assert torch.equal(_greedy(copied, prompt, 10), _greedy(reference, prompt, 10))
+
+
+@pytest.mark.parametrize("method", ["self-extend-yarn", "dynamic", "dual-chunk"])
+@pytest.mark.parametrize("swap", ["unpatch", "re-patch"])
+def test_swapping_the_patch_while_another_thread_runs_a_forward_is_refused(method, swap):
+    """unpatch_model or a re-patch during another thread's forward was accepted, and that forward
+    ran its first layer patched and the next unpatched (0.26 off both). Now it is refused in one
+    line, the model keeps its patch, the forward under way is exact, and the swap works after."""
+    model, reference = _patched_pair(method)
+    plain = make_model("llama", attn_implementation="sdpa")
+    ids = random_ids(3 * L0)
+    with torch.no_grad():
+        expected, expected_plain = reference(ids).logits, plain(ids).logits
+    function = "unpatch_model" if swap == "unpatch" else "patch_model"
+    with paused_on_a_thread(model.model.layers[1], lambda: model(ids).logits) as first:
+        with pytest.raises(RuntimeError, match=f"^{function}: a forward or generate call .* on another thread"):
+            unpatch_model(model) if swap == "unpatch" else patch_model(model, scale=2, method="linear")
+        assert get_patch_info(model).method == method
+    torch.testing.assert_close(first["result"], expected, atol=1e-5, rtol=1e-5)
+    unpatch_model(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected_plain, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["self-extend-yarn", "dynamic"])
+def test_swapping_the_patch_inside_a_call_of_the_model_on_its_own_thread_is_refused(method):
+    """From a hook in the middle of a forward, or a logits processor inside generate, an unpatch
+    would leave the call under way half patched: refused in one line, and the call stays exact."""
+    model, reference = _patched_pair(method)
+    ids, prompt = random_ids(3 * L0), random_ids(40)
+    refusals = []
+
+    def try_unpatch(*_):
+        with pytest.raises(RuntimeError, match="^unpatch_model was called inside a forward or generate call"):
+            unpatch_model(model)
+        with pytest.raises(RuntimeError, match="^patch_model was called inside a forward or generate call"):
+            patch_model(model, scale=2, method="linear")
+        refusals.append(True)
+
+    handle = model.model.layers[0].register_forward_hook(try_unpatch)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-6, rtol=1e-6)
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(_greedy(model, prompt, 10, [_AtStep(4, try_unpatch)]), _greedy(reference, prompt, 10))
+    assert len(refusals) == 2 and get_patch_info(model).method == method

@@ -127,8 +127,10 @@ def add_parser(subparsers) -> None:
                             f"(default {DEFAULT_STEPS_PER_DOUBLING or 'exact'}; see patch_model)")
     group.add_argument("--no-reuse", action="store_true",
                        help="compute every case, even when a finished case used the same rotary frequencies")
-    group.add_argument("--report-only", action="store_true", help="only regenerate the reports from results.jsonl")
-    parser.set_defaults(handler=run_eval_command)
+    group.add_argument("--report-only", action="store_true",
+                       help="only regenerate the reports from results.jsonl (takes --output-dir alone)")
+    parser.set_defaults(handler=run_eval_command, unused_by_report_only=_options_besides(parser, "output_dir",
+                                                                                         "report_only"))
 
     parser = subparsers.add_parser(
         "demo",
@@ -148,6 +150,14 @@ def add_parser(subparsers) -> None:
     group.add_argument("--passkey-length", type=int, default=None,
                        help="tokens of the passkey prompts, answer included")
     parser.set_defaults(handler=run_demo_command)
+
+
+def _options_besides(parser: argparse.ArgumentParser, *kept: str) -> dict[str, tuple[str, object]]:
+    """``{dest: (option, default)}`` of ``parser``'s options but ``kept``: a value other than its
+    default says the option was given."""
+    return {action.dest: (max(action.option_strings, key=len), action.default)
+            for action in parser._actions  # argparse lists its options nowhere public
+            if action.option_strings and action.dest not in (*kept, "help")}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,7 +207,7 @@ def _load(args: argparse.Namespace):
 
     logger.info("Loading %s (%s, %s attention)...", args.model, args.dtype, args.attn_implementation)
     return load_model(args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
-                      attn_implementation=args.attn_implementation)  # fmt: skip
+                      attn_implementation=args.attn_implementation, progress=not args.no_progress)  # fmt: skip
 
 
 def _documents(args: argparse.Namespace, tokenizer, min_tokens: int) -> dict[str, torch.Tensor]:
@@ -239,8 +249,14 @@ def _run_eval(args: argparse.Namespace) -> int:
     from .runner import run_evaluation
 
     if args.report_only:
+        given = [option for dest, (option, default) in args.unused_by_report_only.items()
+                 if getattr(args, dest) != default]  # fmt: skip
+        if given:  # an evaluation option with --report-only would be silently ignored
+            raise EvaluationError(f"--report-only only regenerates the reports of --output-dir and takes no other "
+                                  f"option; leave out {', '.join(given)} (or --report-only, to evaluate).")
         if not (args.output_dir / "results.jsonl").is_file():
             raise EvaluationError(f"No results.jsonl in {args.output_dir}; nothing to report.")
+        check_output_dir(args.output_dir, append=False)  # a report that cannot be written: named before any work
         write_reports(args.output_dir)
         print((args.output_dir / "results.md").read_text(encoding="utf-8"))
         return 0
@@ -280,7 +296,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     import time
 
-    from .demo import demo_plan, demo_settings, demo_table
+    from .demo import check_one_document, demo_plan, demo_settings, demo_table
     from .documents import check_documents
     from .runner import run_evaluation
 
@@ -290,6 +306,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             "The demo needs a long text (over 10k tokens) for perplexity: pass --text-files FILE, e.g. a Project "
             "Gutenberg book, or --dataset emozilla/pg19-test on a machine with Hub access."
         )
+    check_one_document(args.text_file, args.dataset, args.num_documents)
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") or (
         args.device_map is not None and torch.cuda.is_available()
     )
@@ -301,7 +318,6 @@ def _run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     model, tokenizer = _load(args)
     documents = _documents(args, tokenizer, plan.required_document_tokens())
-    documents = dict(list(documents.items())[:1])
     check_documents(plan, documents, length_flags="--ppl-length")
     print(
         f"Demo on {_model_label(args.model)} (native context {native_context} tokens), {args.dtype} on "

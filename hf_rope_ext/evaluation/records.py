@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -172,9 +173,19 @@ def check_stored_fields(records: list[Mapping[str, Any]], path: Path,
                                  f"{record.get(field)!r}); fix or remove that line, or use another --output-dir")
 
 
-def _is_bucket(value: Any) -> bool:
+def _is_bucket(value: Any, context_length: Any) -> bool:
+    """``[start, end, ppl]`` with ``0 <= start < end <= context_length`` and a perplexity > 0
+    (NaN and infinity allowed: a broken model's; NaN also for a bucket with no token)."""
     return (isinstance(value, list) and len(value) == 3 and _is_int(value[0]) and _is_int(value[1])
-            and 0 <= value[0] < value[1] and _is_number(value[2]))  # fmt: skip
+            and 0 <= value[0] < value[1] and (not _is_int(context_length) or value[1] <= context_length)
+            and _is_number(value[2]) and not value[2] <= 0)  # fmt: skip
+
+
+def _agrees(value: float, expected: float) -> bool:
+    """Equal within rounding; NaN agrees with NaN and infinity with infinity."""
+    if math.isnan(value) or math.isnan(expected):
+        return math.isnan(value) and math.isnan(expected)
+    return math.isclose(value, expected, rel_tol=1e-6)
 
 
 # Field -> (required, test, what it must be): the fields that the reports, summaries and model
@@ -182,15 +193,16 @@ def _is_bucket(value: Any) -> bool:
 # read, instead of a traceback in whichever report reads it first (after the new cases ran).
 _TEXT = (lambda value: isinstance(value, str) and bool(value), "a non-empty string")
 _INT = (_is_int, "an integer")
-_NUMBER = (_is_number, "a number")
 _OPTIONAL_INT = (lambda value: value is None or _is_int(value), "an integer or null")
 _OPTIONAL_TEXT = (lambda value: value is None or isinstance(value, str), "a string or null")
+# A perplexity is > 0 and a mean loss >= 0 (NaN and infinity stay: a broken model or an fp16 overflow).
+_PPL = (lambda value: value is None or (_is_number(value) and not value <= 0), "a number > 0 (or NaN/inf) or null")
 _COMMON_FIELDS = {
     "method": (True, *_TEXT),
     "scale": (False, lambda value: value is None or (_is_number(value) and value > 0), "a number > 0 or null"),
     "steps_per_doubling": (False, lambda value: value is None or value == EXACT_STEPS or (_is_int(value) and value > 0),
                            f"a positive integer, '{EXACT_STEPS}' or null"),
-    "model": (False, *_OPTIONAL_TEXT),
+    "model": (True, *_TEXT),  # a record without one would be filed under no model and left out of results.md
     "dtype": (False, *_OPTIONAL_TEXT),
     "native_context": (False, lambda value: value is None or (_is_int(value) and value > 0),
                        "a positive integer or null"),
@@ -209,9 +221,9 @@ RECORD_FIELDS = {
         "stride": (False, *_OPTIONAL_INT),
         "eval_tokens": (False, *_OPTIONAL_INT),
         "bucket_size": (False, *_OPTIONAL_INT),
-        "ppl": (False, lambda value: value is None or _is_number(value), "a number or null"),
-        "nll": (True, *_NUMBER),
-        "tokens": (True, lambda value: _is_int(value) and value >= 0, "an integer >= 0"),
+        "ppl": (False, *_PPL),
+        "nll": (True, lambda value: _is_number(value) and not value < 0, "a number >= 0 (or NaN/inf)"),
+        "tokens": (True, lambda value: _is_int(value) and value >= 1, "an integer >= 1"),
         "windows": (False, *_OPTIONAL_INT),
     },
     "retrieval": {
@@ -251,9 +263,25 @@ def check_record(record: Mapping[str, Any], *, complete: bool = True) -> None:
     if kind == "perplexity" and buckets is None and complete and record["mode"] == "buckets":
         raise ValueError("field 'buckets' is missing (a list of [start, end, ppl] in buckets mode)")
     if kind == "perplexity" and buckets is not None:
-        if not isinstance(buckets, list) or not all(_is_bucket(bucket) for bucket in buckets):
-            raise ValueError(f"field 'buckets' must be a list of [start, end, ppl] with 0 <= start < end, "
-                             f"got {buckets!r}")  # fmt: skip
+        length = record.get("context_length")
+        if not isinstance(buckets, list) or not all(_is_bucket(bucket, length) for bucket in buckets):
+            bad = next((bucket for bucket in buckets if not _is_bucket(bucket, length)), buckets) \
+                if isinstance(buckets, list) else buckets
+            raise ValueError(f"field 'buckets' must be a list of [start, end, ppl] with 0 <= start < end <= "
+                             f"context_length ({length}) and ppl > 0, got {bad!r}")  # fmt: skip
+    if kind == "perplexity" and _is_number(record.get("ppl")) and _is_number(record.get("nll")):
+        # The tables show exp(nll), results.csv the ppl field: they must be one number.
+        nll = record["nll"]
+        expected = nll if math.isnan(nll) else math.exp(nll) if nll < 709 else math.inf
+        if not _agrees(record["ppl"], expected):
+            raise ValueError(f"field 'ppl' is {record['ppl']!r}, but exp(nll) is {expected!r} (nll {record['nll']!r}); "
+                             "they must agree")
+    if kind == "retrieval" and all(_is_number(record.get(name)) for name in ("accuracy", "correct", "trials")):
+        # results.md counts correct/trials, results.csv shows accuracy: they must be one number.
+        expected = record["correct"] / record["trials"]
+        if not math.isclose(record["accuracy"], expected, abs_tol=0.005):  # an accuracy rounded to a percent
+            raise ValueError(f"field 'accuracy' is {record['accuracy']!r}, but correct/trials is "
+                             f"{record['correct']}/{record['trials']}; they must agree")
     if kind == "retrieval" and complete:
         # Without both counts the report pools the accuracy (records written by hand).
         if ("correct" in record) != ("trials" in record):
@@ -263,8 +291,18 @@ def check_record(record: Mapping[str, Any], *, complete: bool = True) -> None:
             raise ValueError("fields 'correct' and 'trials' are missing (or give a numeric 'accuracy')")
 
 
-def check_output_dir(output_dir: str | os.PathLike) -> None:
-    """Refuse an output folder that is a file, or whose ``results.jsonl`` is not a file, before any work."""
+# The reports write_reports regenerates from results.jsonl (retrieval plots: one per task).
+REPORT_FILES = ("summary.json", "results.csv", "results.md", "perplexity_by_position.png", "perplexity_vs_length.png",
+                "retrieval_passkey.png", "retrieval_needle.png")  # fmt: skip
+
+
+def check_output_dir(output_dir: str | os.PathLike, *, append: bool = True, reports: bool = True) -> None:
+    """Refuse, before any work (the model loads, the first forward), an output folder that the
+    evaluation could not write: a file; a folder (or the folder it would be created in) that is not
+    writable; a ``results.jsonl`` that is not a file or (``append``) cannot be appended to. With
+    ``reports`` (a caller that writes eval's reports), also a folder where a report goes, and a
+    folder holding files named as the reports but no ``results.jsonl``: they are not reports of an
+    earlier evaluation, and would be overwritten."""
     output_dir = Path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise EvaluationError(f"--output-dir {output_dir} is a file, not a folder; pass a folder (new or existing).")
@@ -274,6 +312,29 @@ def check_output_dir(output_dir: str | os.PathLike) -> None:
     results = output_dir / RESULTS_FILE
     if results.exists() and not results.is_file():
         raise EvaluationError(f"{results} is not a file; remove it or use another --output-dir.")
+    # os.access also sees a read-only file system and immutable files (chattr +i), for root too.
+    existing = next(folder for folder in (output_dir, *output_dir.absolute().parents) if folder.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == output_dir else f" ({existing}, where it would be created)"
+        raise EvaluationError(f"--output-dir {output_dir} is not writable for you{where}; results.jsonl and the "
+                              "reports go there: make it writable (chmod u+w) or use another --output-dir.")
+    if append and results.is_file() and not os.access(results, os.W_OK):
+        raise EvaluationError(f"{results} is not writable for you, so no finished case could be kept; make it "
+                              "writable (chmod u+w) or use another --output-dir.")  # fmt: skip
+    if not reports:
+        return
+    report_paths = [output_dir / name for name in REPORT_FILES]
+    for path in report_paths:
+        if path.is_dir():
+            raise EvaluationError(f"{path} is a folder, where the report {path.name} is written; move it, or use "
+                                  "another --output-dir.")  # fmt: skip
+    if not results.exists():
+        found = [path.name for path in report_paths if os.path.lexists(path)]
+        if found:
+            raise EvaluationError(
+                f"--output-dir {output_dir} holds {', '.join(found)} but no {RESULTS_FILE}, so not the reports of an "
+                "earlier evaluation, and they would be overwritten; move them, or use another --output-dir."
+            )
 
 
 def check_same_model(records: list[Mapping[str, Any]], path: str | os.PathLike, model: str, dtype: str,
@@ -329,6 +390,7 @@ def load_records(path: str | os.PathLike, *, require_kind: bool = False) -> tupl
         ) from None
     lines = text.splitlines()
     records: list[dict[str, Any]] = []
+    first_content: dict[tuple, tuple[Any, int]] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -357,8 +419,29 @@ def load_records(path: str | os.PathLike, *, require_kind: bool = False) -> tupl
                 check_record(record, complete=require_kind)
             except ValueError as error:
                 raise EvaluationError(f"{path}:{number}: {error}; fix or remove that line.") from None
+        if require_kind:
+            _check_one_content_per_name(record, path, number, first_content)
         records.append(record)
     return records, None
+
+
+def _check_one_content_per_name(record: Mapping[str, Any], path: Path, number: int,
+                                first_content: dict[tuple, tuple[Any, int]]) -> None:
+    """Refuse a record that names a document or model (of one dtype) already named with other
+    content on an earlier line (``first_content``: name -> (content hash, line), filled here), as
+    the evaluation refuses to write one: the reports would pool two texts or two checkpoints."""
+    names = [(("model", record.get("model"), record.get("dtype")), "model_fingerprint", "model")]
+    if record.get("kind") == "perplexity":
+        names.append((("document", record.get("document")), "document_sha256", "document"))
+    for key, field, what in names:
+        content = record.get(field)
+        first = first_content.setdefault(key, (content, number))
+        if first[0] != content:
+            raise EvaluationError(
+                f"{path}:{number}: field {field!r} is {content!r}, but line {first[1]} names {what} {key[1]!r} with "
+                f"{first[0]!r}: two {what}s under one name are never pooled; remove the lines of one, or evaluate "
+                "it into another --output-dir."
+            )
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -7,18 +7,19 @@ docstring describes ``summary.json``).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import io
 import json
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..files import atomic_path, atomic_write_text
-from .records import NONE_METHOD, read_results
+from .records import NONE_METHOD, RESULTS_FILE, read_results
 from .summary import (
     format_accuracy,
     format_ppl,
@@ -104,22 +105,37 @@ def markdown_report(summary: Mapping[str, Any]) -> str:
     documents, stride, bucket size, seed, ...), so rows of different settings are never compared."""
     parts = ["# Evaluation results\n"]
     models = summary["models"]
-    native = summary["native_context"]
-    parts.append(f"Model: {', '.join(models) or '?'}; native context: {native} tokens.\n")
+    if len(models) > 1:  # each model's native context is in its own section
+        parts.append(f"Models: {', '.join(models)}; native context: {_native_text(summary['native_context'])}.\n")
+    else:
+        parts.append(f"Model: {', '.join(models) or '?'}; native context: {summary['native_context']} tokens.\n")
     for model in models:
         ppl_rows = [row for row in summary["perplexity"] if row["model"] == model]
         retrieval_rows = [row for row in summary["retrieval"] if row["model"] == model]
         if len(models) > 1:
             parts.append(f"## {model}\n")
+            parts.append(f"Native context: {_native_text(_native_context(ppl_rows))}.\n")
         for mode in ("buckets", "sliding"):
             mode_rows = [row for row in ppl_rows if row["mode"] == mode]
             for rows in _tables(mode_rows, PPL_TABLE_SETTINGS):
-                parts += _perplexity_tables(mode, rows, _varying_note(rows, mode_rows), native)
+                parts += _perplexity_tables(mode, rows, _varying_note(rows, mode_rows), _native_context(rows))
         for task in sorted({row["task"] for row in retrieval_rows}):
             task_rows = [row for row in retrieval_rows if row["task"] == task]
             for rows in _tables(task_rows, RETRIEVAL_TABLE_SETTINGS):
                 parts.append(_retrieval_table(task, rows, _varying_note(rows, task_rows)))
     return "\n".join(parts)
+
+
+def _native_context(rows: Sequence[Mapping[str, Any]]) -> int | list[int] | None:
+    """The native context of ``rows`` (each row has its model's), a sorted list where they differ."""
+    natives = sorted({row["native_context"] for row in rows if isinstance(row.get("native_context"), int)})
+    return natives[0] if len(natives) == 1 else natives or None
+
+
+def _native_text(native: int | list[int] | None) -> str:
+    if isinstance(native, list):
+        return f"{', '.join(map(str, native))} tokens"
+    return "?" if native is None else f"{native} tokens"
 
 
 def _perplexity_tables(mode: str, rows: Sequence[Mapping[str, Any]], note: str, native: Any) -> list[str]:
@@ -306,6 +322,17 @@ def _log_axis(axes, plotted: bool) -> None:
         axes.text(0.5, 0.5, "no finite perplexity", ha="center", va="center", transform=axes.transAxes)
 
 
+def _native_lines(axes, rows: Sequence[Mapping[str, Any]], labelled: bool = False) -> None:
+    """A dashed line at the native context of each model of ``rows`` (named where they differ)."""
+    by_native: dict[int, set[str]] = {}
+    for row in rows:
+        if isinstance(row.get("native_context"), int):
+            by_native.setdefault(row["native_context"], set()).add(str(row["model"]))
+    for native, models in sorted(by_native.items()):
+        label = "native context" + (f" ({', '.join(sorted(models))})" if len(by_native) > 1 else "")
+        axes.axvline(native, color="grey", linestyle="--", linewidth=1, label=label if labelled else None)
+
+
 def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
     """``perplexity_by_position.png`` (per-bucket curves at the longest L) and
     ``perplexity_vs_length.png`` (ppl of the first L tokens against L), one panel per scale."""
@@ -313,7 +340,6 @@ def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
 
     written = []
     rows = [row for row in summary["perplexity"] if row["mode"] == "buckets" and row.get("buckets")]
-    native = summary["native_context"] if isinstance(summary["native_context"], int) else None
     if rows:
         scales = _scales_for_plot(rows)
         figure = Figure(figsize=(6 * len(scales), 4.5), layout="constrained")
@@ -329,8 +355,7 @@ def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
                 if xs:
                     axes.plot(xs, ys, marker="o", markersize=3, label=label)
                     plotted = True
-            if native:
-                axes.axvline(native, color="grey", linestyle="--", linewidth=1, label="native context")
+            _native_lines(axes, rows, labelled=True)
             _log_axis(axes, plotted)
             axes.set_xlabel("token position (bucket centre)")
             axes.set_ylabel("perplexity")
@@ -359,8 +384,7 @@ def plot_perplexity(summary: Mapping[str, Any], output_dir: Path) -> list[Path]:
                     if xs:
                         axes.plot(xs, ys, marker="o", label=label)
                         plotted = True
-                if native:
-                    axes.axvline(native, color="grey", linestyle="--", linewidth=1)
+                _native_lines(axes, mode_rows)
                 axes.set_xscale("log", base=2)
                 _log_axis(axes, plotted)
                 axes.set_xlabel("context length L (tokens)")
@@ -429,24 +453,52 @@ def plot_retrieval(records: Sequence[Mapping[str, Any]], output_dir: Path) -> li
     return written
 
 
+def _finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None: JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(item) for item in value]
+    return value
+
+
 def write_reports(output_dir: str | Path, *, plots: bool = True) -> list[Path]:
-    """Regenerate every report from ``<output_dir>/results.jsonl``; returns the files written."""
+    """Regenerate every report from ``<output_dir>/results.jsonl``; returns the files written.
+
+    A report that cannot be written raises ``OSError`` naming it (not the temporary file it is
+    written to first); results.jsonl is never touched here. Callers check the folder before any
+    work with :func:`hf_rope_ext.evaluation.records.check_output_dir`."""
     output_dir = Path(output_dir)
     records = read_results(output_dir)
     summary = summarize(records)
     written = []
     for name, text in (
-        ("summary.json", json.dumps(summary, indent=2) + "\n"),
+        ("summary.json", json.dumps(_finite_or_null(summary), indent=2, allow_nan=False) + "\n"),
         ("results.csv", csv_report(records)),
         ("results.md", markdown_report(summary)),
     ):
-        atomic_write_text(output_dir / name, text)
+        with _naming_failures(output_dir / name, output_dir):
+            atomic_write_text(output_dir / name, text)
         written.append(output_dir / name)
     if plots and records:
         if importlib.util.find_spec("matplotlib") is None:
             logger.warning("matplotlib is not installed, so no PNG plots were written: pip install matplotlib")
         else:
-            written += plot_perplexity(summary, output_dir)
-            written += plot_retrieval(records, output_dir)
+            with _naming_failures("a PNG plot", output_dir):
+                written += plot_perplexity(summary, output_dir)
+                written += plot_retrieval(records, output_dir)
     logger.info("Reports written to %s", output_dir)
     return written
+
+
+@contextlib.contextmanager
+def _naming_failures(report: Path | str, output_dir: Path) -> Iterator[None]:
+    """An OSError of writing ``report`` names it and what to do, not the temporary file it went to."""
+    try:
+        yield
+    except OSError as error:
+        raise OSError(f"{report} could not be written ({error.strerror or error}); the finished cases are kept in "
+                      f"{output_dir / RESULTS_FILE}: fix {output_dir} and run hf-rope-ext eval --report-only "
+                      f"--output-dir {output_dir}.") from None

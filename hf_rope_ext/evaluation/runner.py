@@ -149,7 +149,7 @@ def rope_fingerprint(model: nn.Module, length: int) -> str:
     """
     rotary = next((module for module in model.modules() if isinstance(module, ExtendedRotaryEmbedding)), None)
     inside = rotary is not None and length <= rotary.original_max_seq_len
-    if rotary is None or (inside and rotary.original_inside_context):
+    if rotary is None or (inside and rotary.original_module_exact):  # the model's own module runs there
         return "original"
     inv_freq, attention_factor = rotary.frequencies(length)
     attention = rotary.attention_patch

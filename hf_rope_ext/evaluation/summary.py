@@ -8,9 +8,10 @@ Documents are pooled by tokens: the perplexity over several documents is
 ``exp(sum of token losses / number of scored tokens)``; retrieval accuracy pools the trials of
 all depths. :func:`summarize` returns (and ``summary.json`` holds)::
 
-    {"models": [...], "native_context": 8192,
+    {"models": [...], "native_context": 8192,    # a sorted list where the models' native contexts differ
      "perplexity": [{"mode", "method", "scale", "steps_per_doubling", "model", "dtype", "context_length", "stride",
-                     "eval_tokens", "bucket_size", "documents": [...], "ppl", "nll", "tokens",
+                     "eval_tokens", "bucket_size", "native_context",  # of this row's model
+                     "documents": [...], "ppl", "nll", "tokens",
                      "ranges": [[start, end, ppl], ...]  # buckets pooled to 0, L0/4, L0/2, L0, 2 L0, ...
                      "beyond_native_ppl": ppl of positions [L0, L), or null (L <= L0, or a bucket spans L0)}, ...],
      "retrieval": [{"task", "method", "scale", "steps_per_doubling", "model", "dtype", "length", "trials", "correct",
@@ -18,6 +19,9 @@ all depths. :func:`summarize` returns (and ``summary.json`` holds)::
 
 Each document's record counts once per row, and each retrieval prompt once: of records of one
 depth (whose prompts come from one seeded generator), the one with the most trials is kept.
+
+In ``summary.json`` a NaN or infinite number (a broken model, an fp16 overflow) is written as
+``null`` (JSON has no such numbers); ``results.jsonl`` and the tables keep ``nan`` / ``inf``.
 
 A retrieval group whose records lack ``correct`` and ``trials`` (written by hand) gets the mean of
 their ``accuracy`` and ``correct``/``trials`` None.
@@ -255,9 +259,10 @@ def _perplexity_row(key: tuple, parts: Sequence[Mapping[str, Any]]) -> dict[str,
                       "of one document")  # fmt: skip
     tokens = sum(part["tokens"] for part in parts)
     nll = sum(part["nll"] * part["tokens"] for part in parts) / max(tokens, 1)
-    row.update({"documents": sorted({str(part.get("document")) for part in parts}), "ppl": safe_exp(nll), "nll": nll,
-                "tokens": tokens, "ranges": None, "beyond_native_ppl": None})  # fmt: skip
     native, length = parts[0].get("native_context"), row["context_length"]
+    row.update({"native_context": native, "documents": sorted({str(part.get("document")) for part in parts}),
+                "ppl": safe_exp(nll), "nll": nll, "tokens": tokens, "ranges": None,
+                "beyond_native_ppl": None})  # fmt: skip
     if row["mode"] == "buckets" and native:
         buckets: dict[tuple[int, int], list[tuple[float, int]]] = {}
         for part in parts:
