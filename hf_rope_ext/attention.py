@@ -1400,6 +1400,11 @@ class AttentionPatch:
     filled: FilledCaches = field(default_factory=FilledCaches)
     # inv_freq / inv_freq_below_settle on the devices the attention ran on, by device
     frequencies_on: dict = field(default_factory=dict)
+    # The model whose forward this patch hooks (weakly: the model owns the patch), and the ids of its
+    # modules as last read: another model reaches this patch's registry name only through a config
+    # copied from this model's, and is refused (see _check_caller).
+    hooked_model: weakref.ref | None = None
+    own_module_ids: frozenset = frozenset()
 
     def __deepcopy__(self, memo: dict) -> AttentionPatch:
         # A copied model (copy.deepcopy, as TRL makes reference models) needs a patch and registry
@@ -1410,7 +1415,10 @@ class AttentionPatch:
         # The copy starts with no forward under way: the original's count and per-forward state
         # (made while one of its forwards ran, or left by an interrupted one) are not the copy's.
         fresh = {"forward_threads": ForwardThreads(), "geometry": {}, "positions_memo": _PositionMemo(), "saved_lengths": [],
-                 "frequencies_on": {}}
+                 "frequencies_on": {}, "own_module_ids": frozenset(),
+                 # the copy's hooks are the copied model's (copied along, already in memo: hooks are
+                 # copied from the model's attributes, before its submodules)
+                 "hooked_model": _copied_reference(self.hooked_model, memo)}
         for item in fields(self):  # the caches the original filled are not the copy's (see FilledCaches)
             value = fresh[item.name] if item.name in fresh else copy.deepcopy(getattr(self, item.name), memo)
             setattr(copied, item.name, value)
@@ -1446,8 +1454,27 @@ class AttentionPatch:
             return None, self.inv_freq, self.key_rotations
         return self.remap_for(False), self.inv_freq_below_settle, self.key_rotations_below_settle
 
+    def _check_caller(self, module: nn.Module) -> None:
+        """Refuse an attention module that is not part of the patched model: a model built from a copy
+        of its config (``from_config(patched.config)``, a deepcopy of it) carries this patch's private
+        name without being patched, and would run this model's state, not its own."""
+        if id(module) in self.own_module_ids:
+            return
+        model = None if self.hooked_model is None else self.hooked_model()
+        if model is None:  # installed without a model (no hooks), or the model is gone: nothing to tell
+            return
+        self.own_module_ids = frozenset(id(each) for each in model.modules())  # modules added since
+        if id(module) not in self.own_module_ids:
+            raise ValueError(
+                f"{type(module).__name__} is not part of the model patched as {self.name!r}: its model was built from "
+                "that patched model's config (or a copy), which carries this private attention name. Build it from the "
+                "original config (AutoConfig.from_pretrained, or the patched model's config after unpatch_model), then "
+                "patch it with patch_model."
+            )
+
     def attention(self, module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """The attention function registered for this model (transformers' signature)."""
+        self._check_caller(module)
         original = _attention_functions().get_interface(self.original_implementation, _eager_attention(module))
         position_ids = kwargs.get("position_ids")
         query_len, key_len = query.shape[2], key.shape[2]
@@ -1582,15 +1609,20 @@ class AttentionPatch:
         """Forward pre-hook of the model.
 
         The geometry recorded by :meth:`mask` belongs to one forward: a forward whose mask
-        function does not run must not read an earlier one's. A cache this patch did not fill
+        function does not run must not read an earlier one's. Masks given by layer type (a dict)
+        were made for this forward by the caller, through :meth:`mask`: ``generate`` builds them so
+        for a compileable cache (a static one) of a model with ``layer_types`` (Qwen2, Qwen3), and
+        their geometry (a static cache is longer than its tokens) is kept. A cache this patch did not fill
         (before patching, under another patch) is refused: its keys carry other rotations. And
         the cached keys are taken to sit at the positions just before the new tokens (see
         :func:`_key_positions`): a call that continues a cache with positions that jump is
         refused, not computed with wrong distances.
         """
         self._start_forward(module)
-        self.geometry.clear()
-        name, cache, positions = _cache_and_positions(module, args, kwargs)
+        arguments = _forward_arguments(module, args, kwargs)
+        if arguments is None or not isinstance(arguments.get("attention_mask"), Mapping):
+            self.geometry.clear()
+        name, cache, positions = _cache_and_positions(module, args, kwargs, arguments=arguments)
         if cache is None:
             return
         end = self.filled.check(cache, name)
@@ -1635,6 +1667,8 @@ class AttentionPatch:
         saved = self.saved_lengths.pop() if self.saved_lengths else None
         if depth > 1 and self.forward_state is not None:  # the enclosing forward goes on at its own length
             self.forward_state.current_length = saved
+        if depth == 1:  # what before_forward keeps is then only what was recorded for the next forward
+            self.geometry.clear()
         # memos off after every forward, an inner one (run by a hook) too: the outer one then
         # recomputes its remaining layers' positions, and a count left up by an interrupted
         # forward cannot keep them on
@@ -1737,20 +1771,30 @@ def _packed_bounds(position_ids: torch.Tensor, kwargs: Mapping[str, Any], query_
 _FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}  # per model class: read once, bound per forward
 
 
-def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict, output: Any = None
-                         ) -> tuple[str | None, Any, torch.Tensor | None]:
-    """The name and KV cache of a call to the model, and its 2-D position ids (None where not
-    given). With the call's ``output`` (it has run): the cache may be one the model made
-    (use_cache=True without a cache), and positions not given are the ones the model took from
-    the cache (the tokens it held before, one each: transformers' ``cache_position``)."""
+def _forward_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """A call to the model's forward, its arguments by name (None where they do not bind)."""
     from . import compat
 
     signature = _FORWARD_SIGNATURES.get(type(module))
     if signature is None:
         signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(module.forward)
     try:
-        arguments = compat.call_arguments(signature, args, kwargs)
+        return compat.call_arguments(signature, args, kwargs)
     except TypeError:
+        return None
+
+
+def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict, output: Any = None,
+                         arguments: dict[str, Any] | None = None) -> tuple[str | None, Any, torch.Tensor | None]:
+    """The name and KV cache of a call to the model, and its 2-D position ids (None where not
+    given). With the call's ``output`` (it has run): the cache may be one the model made
+    (use_cache=True without a cache), and positions not given are the ones the model took from
+    the cache (the tokens it held before, one each: transformers' ``cache_position``).
+    ``arguments``: the call's, already bound by :func:`_forward_arguments`."""
+    from . import compat
+
+    arguments = _forward_arguments(module, args, kwargs) if arguments is None else arguments
+    if arguments is None:
         return None, None, None
     name, cache = compat.cache_argument(arguments)
     if output is not None and not compat.is_cache(cache):
@@ -1908,6 +1952,7 @@ def install(
         forward_state=forward_state,
     )
     if model is not None:  # bound methods, so that copy.deepcopy binds the copy's hooks to the copy's patch
+        patch.hooked_model = weakref.ref(model)
         patch.hooks.append(model.register_forward_pre_hook(patch.before_forward, with_kwargs=True))
         patch.hooks.append(model.register_forward_hook(patch.after_forward, with_kwargs=True))
         patch.hooks.append(model.register_forward_hook(patch.end_forward, with_kwargs=True, always_call=True))
@@ -1915,6 +1960,13 @@ def install(
     config._attn_implementation = patch.name
     logger.info("Attention of this model routed through %s (was %r).", patch.name, implementation)
     return patch
+
+
+def _copied_reference(reference: weakref.ref | None, memo: dict) -> weakref.ref | None:
+    """A weak reference to the copy, made in the same ``copy.deepcopy``, of what ``reference`` points to."""
+    target = None if reference is None else reference()
+    copied = None if target is None else memo.get(id(target))
+    return None if copied is None else weakref.ref(copied)
 
 
 def _registry_name(implementation: str) -> str:

@@ -1767,3 +1767,30 @@ def test_a_users_subclass_with_an_attention_of_its_own_is_refused():
         layer.self_attn = OwnAttention(model.config, layer.self_attn.layer_idx)
     with pytest.raises(ValueError, match="does not go through transformers' attention registry"):
         patch_model(model, scale=4, method="self-extend")
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["a copy of the config", "the config itself"])
+def test_a_model_built_from_a_patched_models_config_is_refused(shared):
+    """``from_config(patched.config)`` (or of a deepcopy of it) builds an unpatched model whose config
+    carries the patched model's private attention name: its attention would run the other model's
+    patch and state (generation then differed from a full forward). It is refused in one line, and
+    the patched model is left exactly as a fresh patched model, then unpatched as the original."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    patched_model = patch_model(make_model("llama", attn_implementation="sdpa"), scale=4)
+    fresh = patch_model(make_model("llama", attn_implementation="sdpa"), scale=4)
+    unpatched = make_model("llama", attn_implementation="sdpa")  # same weights: the reference
+    config = patched_model.config if shared else copy.deepcopy(patched_model.config)
+    built = AutoModelForCausalLM.from_config(config).eval()
+    built.load_state_dict(unpatched.state_dict())
+    ids = random_ids(3 * L0)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"not part of the model patched as .*Build it from the original config"):
+            built(ids)
+        with pytest.raises(ValueError, match="not part of the model patched as"):
+            built.generate(ids[:, :20], max_new_tokens=L0, do_sample=False, pad_token_id=0)
+        assert torch.equal(patched_model(ids).logits, fresh(ids).logits)
+        unpatch_model(patched_model)
+        assert torch.equal(patched_model(ids).logits, unpatched(ids).logits)

@@ -289,6 +289,24 @@ def test_static_cache_of_a_sliding_window_model(method):
         assert worst < TOLERANCE
 
 
+@pytest.mark.parametrize("family, overrides", [("qwen2", {}), ("qwen3", {}),
+                                               ("qwen2", {"use_sliding_window": True, "max_window_layers": 1})])
+@pytest.mark.parametrize("method", ["self-extend-yarn", "dual-chunk"])
+def test_static_cache_of_a_model_whose_masks_generate_builds(family, overrides, method):
+    """For a model with layer_types (Qwen2, Qwen3) and a static cache, generate builds the masks before
+    the forward (a dict by layer type; sdpa's is None for the prefill): the forward must keep the
+    cache geometry that mask creation recorded. The static cache is longer than the prompt, so the
+    keys are not "the cached tokens followed by this call's" (this was off by one slot, errors ~0.3)."""
+    unpatched = make_model(family, attn_implementation="sdpa", **overrides)
+    model = make_model(family, attn_implementation="sdpa", **overrides)
+    prompt = random_ids(2 * L0 - 4)
+    # the reference: transformers' own static-cache generation equals its full forward
+    assert generation_vs_full_forward(unpatched, prompt, new_tokens=5, cache_implementation="static",
+                                      planned=False) < TOLERANCE
+    patch_model(model, scale=8, method=method)
+    assert generation_vs_full_forward(model, prompt, new_tokens=5, cache_implementation="static") < TOLERANCE
+
+
 @pytest.mark.parametrize("planned", [True, False])
 def test_static_cache(planned):
     model = make_model("llama")
