@@ -28,7 +28,9 @@ _LOCK = threading.Lock()
 CONCURRENT_FORWARD_MESSAGE = (
     "this patched model is running a forward on another thread (or a generate call or planned_length block, between "
     "its forwards), and its per-forward state (the chosen frequencies, cache geometry, key tables, position memos) "
-    "belongs to that call: give each thread its own copy (copy.deepcopy(model) patches the copy), or wait for it to end."
+    "belongs to that call: give each thread its own copy (copy.deepcopy(model) patches the copy), or wait for it to end "
+    "(a generate ends when it returns, not when its streamer does: join its thread; a planned_length block holds the "
+    "model for the thread that entered it, so a loop resumed on other threads enters one per step)."
 )
 
 
@@ -50,6 +52,8 @@ class ForwardThreads:
         self._call_code: CodeType | None = None
         # calls that hold the model for a thread across forwards (see held), counted per thread
         self.holds: dict[int, int] = {}
+        # holds ended but not yet counted out (see _release)
+        self._released: list[int] = []
 
     def __deepcopy__(self, memo: dict) -> ForwardThreads:
         return type(self)()
@@ -82,16 +86,33 @@ class ForwardThreads:
         try:
             yield
         finally:
-            with _LOCK:
-                if self.holds.get(me, 0) > 1:
-                    self.holds[me] -= 1
-                else:
-                    self.holds.pop(me, None)
+            self._release(me)
+
+    def _release(self, thread: int) -> None:
+        """Count a hold of ``thread`` out without waiting for ``_LOCK``: a generator paused inside a
+        held block (``planned_length``) runs this when it is collected, which may happen while the
+        collecting thread holds the lock itself. The count is then taken out at the next check."""
+        self._released.append(thread)  # atomic; read under the lock only
+        if _LOCK.acquire(blocking=False):
+            try:
+                self._count_out_released()
+            finally:
+                _LOCK.release()
+
+    def _count_out_released(self) -> None:
+        """Take out the holds that ended (called under the lock)."""
+        while self._released:
+            thread = self._released.pop()
+            if self.holds.get(thread, 0) > 1:
+                self.holds[thread] -= 1
+            else:
+                self.holds.pop(thread, None)
 
     def under_way_here(self) -> bool:
         """Whether this thread runs a forward of the model now, or holds it (inside generate)."""
         me = threading.get_ident()
         with _LOCK:
+            self._count_out_released()
             if me in self.depths:
                 self._forget_ended(me, sys._getframe(), None)
             return me in self.depths or me in self.holds
@@ -113,10 +134,12 @@ class ForwardThreads:
             self.depths.clear()
             self._modules.clear()
             self.holds.clear()
+            self._released.clear()
 
     def _refuse_other_threads(self, me: int, here: FrameType, starting_module: Any, refusal: str) -> None:
         """Raise ``RuntimeError(refusal)`` if a thread other than this one runs a forward or holds
         the model (called under the lock)."""
+        self._count_out_released()
         if self.depths:
             self._forget_ended(me, here, starting_module)
         if any(thread != me for thread in self.holds):

@@ -43,7 +43,7 @@ from torch import nn
 
 from . import compat, config_io
 from .files import atomic_directory, restore_interrupted_save
-from .patching import find_rotary_module, get_patch_info, owner_and_attribute
+from .patching import find_rotary_module, get_patch_info, no_call_under_way, owner_and_attribute
 from .runtimes import RuntimeCommand, RuntimeSettings, describe_patch, runtime_settings  # noqa: F401  (moved there)
 from .spec import PatchSpec
 from .validation import is_finite
@@ -152,6 +152,16 @@ def save_patched(
     (:func:`hf_rope_ext.files.atomic_directory`), so a failure half way leaves the target as it
     was. Returns the target folder.
     """
+    # A patch's generate raises config.max_position_embeddings while it runs (cache_consistency): a save
+    # then would keep the extended context, and another thread's forward would read a half-written state.
+    with no_call_under_way(model, "save_patched", "it raises config.max_position_embeddings while it runs, which the "
+                           "checkpoint would keep"):  # fmt: skip
+        return _save_patched(model, save_directory, tokenizer=tokenizer, card=card, card_assets=card_assets,
+                             legacy_fields=legacy_fields, **save_kwargs)
+
+
+def _save_patched(model: nn.Module, save_directory: str | os.PathLike, *, tokenizer: Any, card: Any,
+                  card_assets: Any, legacy_fields: bool, **save_kwargs: Any) -> Path:
     if hasattr(model, "peft_config"):
         raise ValueError(
             "This is a peft model: saving it would store the adapter only. Merge it first "

@@ -494,14 +494,14 @@ def _swap_config(model: nn.Module, old: Any, new: Any) -> None:
 
 
 _CALL_ELSEWHERE = (
-    "{function}: a forward or generate call of this patched model is under way on another thread, and it would "
-    "finish half patched (wrong logits); call {function} once it has ended, or give each thread its own copy "
-    "(copy.deepcopy(model))."
+    "{function}: a forward or generate call of this patched model is under way on another thread, and {consequence}; "
+    "call {function} once it has ended (join that thread), or give each thread its own copy (copy.deepcopy(model))."
 )
 _CALL_HERE = (
     "{function} was called inside a forward or generate call of this model (from a hook, a logits processor or a "
-    "planned_length block), which would go on half patched (wrong logits); call it after that call returns."
+    "planned_length block), and {consequence}; call it after that call returns."
 )
+_HALF_PATCHED = "that call would finish half patched (wrong logits)"
 
 
 def _forward_threads(rotary: ExtendedRotaryEmbedding) -> list[ForwardThreads]:
@@ -512,24 +512,35 @@ def _forward_threads(rotary: ExtendedRotaryEmbedding) -> list[ForwardThreads]:
     return [each for each in counts if isinstance(each, ForwardThreads)]
 
 
-def _check_no_call_under_way(patched: list[tuple[str, ExtendedRotaryEmbedding]], function: str) -> None:
-    """Refuse to swap these patches while this thread runs a forward or generate of the model
-    (from a hook): that call would go on half patched. Another thread's call is refused, atomically,
-    by :func:`_holding_the_patch`."""
+def _check_no_call_under_way(patched: list[tuple[str, ExtendedRotaryEmbedding]], function: str,
+                             consequence: str = _HALF_PATCHED) -> None:
+    """Refuse ``function`` while this thread runs a forward or generate of the model (from a
+    hook). Another thread's call is refused, atomically, by :func:`_holding_the_patch`."""
     for _, rotary in patched:
         if any(threads.under_way_here() for threads in _forward_threads(rotary)):
-            raise RuntimeError(_CALL_HERE.format(function=function))
+            raise RuntimeError(_CALL_HERE.format(function=function, consequence=consequence))
 
 
 @contextlib.contextmanager
-def _holding_the_patch(patched: list[tuple[str, ExtendedRotaryEmbedding]], function: str) -> Iterator[None]:
-    """Hold the patch for this thread while it is swapped: refused if a forward or generate of
-    the model is under way on any thread, and another thread's forward is refused meanwhile."""
-    _check_no_call_under_way(patched, function)
+def _holding_the_patch(patched: list[tuple[str, ExtendedRotaryEmbedding]], function: str,
+                       consequence: str = _HALF_PATCHED) -> Iterator[None]:
+    """Hold the patch for this thread during the block: refused if a forward or generate of the
+    model is under way on any thread, and another thread's forward is refused meanwhile."""
+    _check_no_call_under_way(patched, function, consequence)
     with contextlib.ExitStack() as stack:
         for _, rotary in patched:
             for threads in _forward_threads(rotary):
-                stack.enter_context(threads.held(_CALL_ELSEWHERE.format(function=function)))
+                stack.enter_context(threads.held(_CALL_ELSEWHERE.format(function=function, consequence=consequence)))
+        yield
+
+
+@contextlib.contextmanager
+def no_call_under_way(model: nn.Module, function: str, consequence: str) -> Iterator[None]:
+    """Run the block (``function``, e.g. a save) with no forward or generate of ``model`` under
+    way on any thread: refused in one line (``RuntimeError``, saying ``consequence``) while one
+    is, and another thread's call is refused until the block ends. A model without a patch, or
+    with a static rotary-only one, has no calls to wait for."""
+    with _holding_the_patch(_patched_modules(model), function, consequence):
         yield
 
 

@@ -1036,3 +1036,68 @@ def test_swapping_the_patch_inside_a_call_of_the_model_on_its_own_thread_is_refu
     with torch.no_grad():
         assert torch.equal(_greedy(model, prompt, 10, [_AtStep(4, try_unpatch)]), _greedy(reference, prompt, 10))
     assert len(refusals) == 2 and get_patch_info(model).method == method
+
+
+def test_save_patched_during_a_generate_on_another_thread_is_refused_and_writes_nothing(tmp_path):
+    """A length-dependent patch's generate raises config.max_position_embeddings to its extended
+    context while it runs: a save then wrote that value, and load_patched refused the checkpoint as
+    edited. save_patched is refused in one line naming the cause, and saves the original context after."""
+    from hf_rope_ext.hub import load_patched, save_patched
+
+    model, reference = _patched_pair("dynamic-yarn")
+    target = tmp_path / "ckpt"
+    with _generating_on_a_thread(model, random_ids(40), 30):
+        assert model.config.max_position_embeddings > reference.config.max_position_embeddings  # what a save kept
+        with pytest.raises(RuntimeError, match="^save_patched: a forward or generate call .* config.max_position_embeddings"):
+            save_patched(model, target)
+    assert not target.exists()
+    save_patched(model, target)
+    assert json.loads((target / "config.json").read_text())["max_position_embeddings"] == L0
+    loaded = load_patched(target)
+    ids = random_ids(3 * L0)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_planned_length_block_closed_while_its_lock_is_taken_does_not_hang():
+    """A generator paused inside planned_length runs the block's exit where it is collected, which
+    may be inside the package's own locked section on that thread: the exit took the same lock
+    again and the whole process hung. Closing it there now returns, and the hold is counted out."""
+    from hf_rope_ext import forward_threads
+
+    model, reference = _patched_pair("dynamic-yarn")
+
+    def steps():
+        with hf_rope_ext.planned_length(model, 3 * L0):
+            yield
+
+    paused = steps()
+    next(paused)
+    closed = threading.Event()
+
+    def close_inside_the_lock():
+        with forward_threads._LOCK:  # as a garbage collection inside a locked section would close it
+            paused.close()
+        closed.set()
+
+    worker = threading.Thread(target=close_inside_the_lock, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    if not closed.is_set():  # the old code: free the worker (a Lock may be released by any thread)
+        forward_threads._LOCK.release()
+        worker.join(timeout=10)
+    assert closed.is_set(), "closing a planned_length block inside the lock hung"
+    ids = random_ids(2 * L0)
+    with torch.no_grad():
+        outcome = on_a_thread(lambda: model(ids).logits)  # another thread: refused if the hold were kept
+        assert "error" not in outcome, outcome.get("error")
+        torch.testing.assert_close(outcome["result"], reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_the_refusal_during_another_threads_generate_says_to_join_that_thread():
+    """A TextIteratorStreamer ends inside generate, before it returns: a call right after the stream
+    is refused, and the line says why and what to do."""
+    model, _ = _patched_pair("self-extend-yarn")
+    with _generating_on_a_thread(model, random_ids(40), 30), torch.no_grad():
+        with pytest.raises(RuntimeError, match="a generate ends when it returns, not when its streamer does: join its thread"):
+            model(random_ids(20, seed=2))
