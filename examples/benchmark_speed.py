@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     # The folder first: created only at the end, a path under a file would lose the whole benchmark.
-    check_output_dir(args.output_dir, reports=False)  # writes no eval reports
+    check_output_dir(args.output_dir, append=False, reports=False)  # writes no results.jsonl, no eval reports
     # Each run writes its own report whole: into a folder of an earlier run it would replace that run's results.
     for name in ("speed.json", "decode_rounds.json"):
         if (args.output_dir / name).exists():

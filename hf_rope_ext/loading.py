@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -244,22 +245,30 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
 @contextlib.contextmanager
 def _progress_bars_hidden() -> Iterator[None]:
     """Hide transformers' progress bars ("Loading weights") and huggingface_hub's (downloads, which
-    transformers switches with its own) inside the block, and put both settings back after it."""
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    transformers switches with its own) inside the block, and put both settings back after it.
+
+    transformers' switches call huggingface_hub's global ones, which clear its per-group settings
+    (``disable_progress_bars("huggingface_hub.http_get")``) and warn where HF_HUB_DISABLE_PROGRESS_BARS
+    overrides them: the hub's settings are copied and put back as they were, and those warnings
+    (the environment variable keeps its priority, as the user set it) are not shown."""
     from transformers.utils import logging as transformers_logging
 
+    # The module, not the ``tqdm`` class that huggingface_hub.utils exports under the same name.
+    hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")
     transformers_shown = transformers_logging.is_progress_bar_enabled()
-    hub_hidden = are_progress_bars_disabled()
-    transformers_logging.disable_progress_bar()
+    hub_states = dict(hub_tqdm.progress_bar_states)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Cannot (disable|enable) progress bars")
+        transformers_logging.disable_progress_bar()
     try:
         yield
     finally:
-        if transformers_shown:
-            transformers_logging.enable_progress_bar()  # switches huggingface_hub's on too: set back below
-        if hub_hidden:
-            disable_progress_bars()
-        elif are_progress_bars_disabled():
-            enable_progress_bars()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Cannot (disable|enable) progress bars")
+            if transformers_shown:
+                transformers_logging.enable_progress_bar()
+        hub_tqdm.progress_bar_states.clear()
+        hub_tqdm.progress_bar_states.update(hub_states)
 
 
 def load_model(

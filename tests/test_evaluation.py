@@ -2043,3 +2043,182 @@ def test_no_progress_hides_the_loading_bar_for_that_call_only(tiny_checkpoint, c
     load_model(str(tiny_checkpoint), device="cpu", progress=False)
     assert "Loading weights" not in capfd.readouterr().err
     assert (transformers_logging.is_progress_bar_enabled(), are_progress_bars_disabled()) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# Regressions: records the reader refuses, broken links, progress settings, --report-only, lengths
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(documents={0: None}), "documents' names (its keys) must be a non-empty string, got 0."),
+    (dict(documents={"": None}), "documents' names (its keys) must be a non-empty string, got ''."),
+    (dict(native_context=32.5), "native_context must be a positive integer, got 32.5."),
+    (dict(native_context=True), "native_context must be a positive integer, got True."),
+    (dict(model_name=5), "model_name must be a non-empty string, got 5."),
+    (dict(dtype=5), "dtype must be a string, got 5."),
+])  # fmt: skip
+def test_run_evaluation_refuses_arguments_its_records_could_not_hold(tmp_path, arguments, message):
+    """A value the results' reader refuses would be written into every record, the run lost and the
+    folder refused on every rerun: refused in one line naming the argument, before any forward."""
+    model = make_model("llama")
+    counter = CallCounter(model)
+    ids = random_ids(80)[0]
+    documents = {name: ids for name in arguments.pop("documents", {"doc": None})}
+    with pytest.raises(EvaluationError) as raised:
+        run_evaluation(model, CharTokenizer(), _plan(methods=["none", "yarn"], scales=[2.0]), tmp_path,
+                       documents=documents, progress=False, **arguments)  # fmt: skip
+    assert str(raised.value) == message
+    assert counter.calls == 0 and not (tmp_path / "results.jsonl").exists()
+
+
+def test_run_evaluation_writes_a_float_native_context_and_a_torch_dtype_as_its_reader_takes_them(tmp_path):
+    """native_context=32.0 and dtype=torch.float32 (natural in Python) are recorded as 32 and as the
+    dtype run_evaluation names the model's own parameters with: the reader takes the records, and a
+    rerun finds every case done."""
+    model = make_model("llama")
+    documents = {"doc": random_ids(80)[0]}
+    plan = _plan(methods=["none", "yarn"], scales=[2.0])
+    default = run_evaluation(model, CharTokenizer(), plan, tmp_path / "default", documents=documents, progress=False)
+    records = run_evaluation(model, CharTokenizer(), plan, tmp_path / "out", documents=documents, progress=False,
+                             native_context=float(ORIGINAL_CONTEXT), dtype=torch.float32)  # fmt: skip
+    stored = read_results(tmp_path / "out")
+    assert len(stored) == len(records) == 4
+    assert all(type(r["native_context"]) is int and r["native_context"] == ORIGINAL_CONTEXT for r in stored)
+    assert {r["dtype"] for r in stored} == {r["dtype"] for r in default} == {"float32"}
+    counter = CallCounter(model)
+    run_evaluation(model, CharTokenizer(), plan, tmp_path / "out", documents=documents, progress=False,
+                   native_context=ORIGINAL_CONTEXT, dtype="float32")  # fmt: skip
+    assert counter.calls == 0 and len(read_results(tmp_path / "out")) == 4
+
+
+@pytest.mark.parametrize("where", ["folder", "above", "results"])
+def test_broken_symbolic_links_are_refused_before_the_model_loads(tmp_path, capsys, where):
+    """An --output-dir that is a link to nothing, one under such a link, and a results.jsonl linked
+    into a folder that does not exist: mkdir and open would fail only at the first append, after a
+    case ran. Refused in one line, for the library and the command line (whose model does not exist)."""
+    from hf_rope_ext.evaluation.records import check_output_dir
+
+    link = tmp_path / "link"
+    if where == "results":
+        link.mkdir()
+        (link / "results.jsonl").symlink_to(tmp_path / "missing" / "results.jsonl")
+        output_dir, broken = link, link / "results.jsonl"
+    else:
+        link.symlink_to(tmp_path / "missing")
+        output_dir, broken = (link if where == "folder" else link / "sub"), link
+    with pytest.raises(EvaluationError, match=f"{broken} is a broken symbolic link"):
+        check_output_dir(output_dir)
+    model = make_model("llama")
+    counter = CallCounter(model)
+    with pytest.raises(EvaluationError, match="is a broken symbolic link"):
+        run_evaluation(model, CharTokenizer(), _plan(), output_dir, documents={"doc": random_ids(80)[0]},
+                       progress=False)  # fmt: skip
+    assert counter.calls == 0
+    book = tmp_path / "book.txt"
+    book.write_text("word " * 100)
+    assert cli_main(["eval", "--model", str(tmp_path / "no-model"), "--text-file", str(book), "--methods", "none",
+                     "--ppl-lengths", "64", "--output-dir", str(output_dir)]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a broken symbolic link" in err and "Model folder" not in err
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_results_file_linked_to_a_file_still_to_be_made_is_appended_to(tmp_path):
+    """A results.jsonl that links to a file not made yet, in a folder that exists, is written through
+    the link (not a broken folder)."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    target = tmp_path / "kept" / "results.jsonl"
+    target.parent.mkdir()
+    (folder / "results.jsonl").symlink_to(target)
+    records = run_evaluation(make_model("llama"), CharTokenizer(), _plan(methods=["none"]), folder,
+                             documents={"doc": random_ids(80)[0]}, progress=False)  # fmt: skip
+    assert len(read_results(folder)) == len(records) == 2 and target.is_file()
+
+
+def test_no_progress_puts_back_huggingface_hubs_group_settings_and_does_not_warn(tiny_checkpoint, monkeypatch):
+    """transformers' progress-bar switches call huggingface_hub's global ones, which clear its
+    per-group settings: they are as before after load_model(progress=False), and with
+    HF_HUB_DISABLE_PROGRESS_BARS=0 (which keeps priority) nothing is warned."""
+    import importlib
+    import warnings
+
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    from hf_rope_ext.loading import load_model
+
+    hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")
+    monkeypatch.setattr(hub_tqdm, "progress_bar_states", dict(hub_tqdm.progress_bar_states))  # this test's own
+    enable_progress_bars()
+    disable_progress_bars("huggingface_hub.http_get")  # the user hides download bars only
+    enable_progress_bars("huggingface_hub.http_get.extra")
+    expected = {"_global": True, "huggingface_hub.http_get": False, "huggingface_hub.http_get.extra": True}
+    assert hub_tqdm.progress_bar_states == expected
+    load_model(str(tiny_checkpoint), device="cpu", progress=False)
+    assert hub_tqdm.progress_bar_states == expected
+    assert are_progress_bars_disabled("huggingface_hub.http_get") and not are_progress_bars_disabled()
+    assert transformers_logging.is_progress_bar_enabled()
+    for variable in (False, True):  # HF_HUB_DISABLE_PROGRESS_BARS=0, then =1
+        monkeypatch.setattr(hub_tqdm, "HF_HUB_DISABLE_PROGRESS_BARS", variable)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            load_model(str(tiny_checkpoint), device="cpu", progress=False)
+        assert hub_tqdm.progress_bar_states == expected and transformers_logging.is_progress_bar_enabled()
+
+
+@pytest.mark.parametrize("option", [["--model", "smollm2"], ["--trials", "3"], ["--dtype", "fp32"], ["--stride", "256"],
+                                    ["--methods", "none,linear,ntk,dynamic,yarn,dynamic-yarn"],
+                                    ["--ppl-modes", "buckets"], ["--seed", "0"], ["--no-progress"]])  # fmt: skip
+def test_report_only_refuses_an_option_given_at_its_default_value(tmp_path, capsys, option):
+    """`--model smollm2 --report-only` reads as "report smollm2", but would regenerate every model's
+    reports: any option given is refused, whatever its value."""
+    folder = _write_results(tmp_path / "out", _valid_records())
+    assert cli_main(["eval", "--report-only", "--output-dir", str(folder), *option]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"leave out {option[0]} " in err
+    assert not (folder / "results.md").exists()
+
+
+def test_benchmark_speed_does_not_look_at_a_results_file_it_never_writes(tiny_checkpoint, tmp_path, monkeypatch):
+    """examples/benchmark_speed.py writes speed.json only: a results.jsonl it cannot append to (here a
+    folder of that name) is no reason to refuse the folder."""
+    module = _example_module("benchmark_speed", "benchmark_speed.py")
+    folder = tmp_path / "bench"
+    (folder / "results.jsonl").mkdir(parents=True)
+    assert module.main(["--model", str(tiny_checkpoint), "--device", "cpu", "--output-dir", str(folder),
+                        "--forward-tokens", "64", "--forward-repeats", "1", "--skip-decode",
+                        "--forward-methods", "yarn"]) == 0  # fmt: skip
+    assert (folder / "speed.json").is_file() and (folder / "results.jsonl").is_dir()
+
+
+@pytest.mark.parametrize("lengths, option", [("1,384", "--ppl-lengths"), ("0", "--ppl-lengths")])
+def test_a_length_under_two_tokens_is_named_by_its_option_and_rule(tmp_path, capsys, lengths, option):
+    """The rule is at least 2 tokens (a loss needs a token to predict from): the message says so,
+    and names the option (command line) beside the plan field (Python API)."""
+    book = tmp_path / "book.txt"
+    book.write_text("word " * 100)
+    assert cli_main(["eval", "--model", str(tmp_path / "no-model"), "--text-file", str(book), "--methods", "none",
+                     "--ppl-lengths", lengths, "--output-dir", str(tmp_path / "out")]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: ppl_lengths ({option}) must be integer token counts of at least 2, got ")
+    with pytest.raises(EvaluationError, match=r"^retrieval_lengths \(--retrieval-lengths\) must be integer token "
+                                              r"counts of at least 2, got 1\.$"):  # fmt: skip
+        _plan(retrieval_tasks=["passkey"], retrieval_lengths=[1]).validate(None)
+
+
+def test_the_demo_on_a_model_of_one_token_names_its_native_context(tmp_path, capsys):
+    """Its default perplexity length would be 1 token: the demo names the model's native context,
+    not a --ppl-length that was never given (before the weights load: none are saved here)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                max_position_embeddings=1).save_pretrained(tmp_path / "model")  # fmt: skip
+    book = tmp_path / "book.txt"
+    book.write_text("word " * 100)
+    assert cli_main(["demo", "--model", str(tmp_path / "model"), "--device", "cpu", "--text-file", str(book),
+                     "--output-dir", str(tmp_path / "out")]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "native context (max_position_embeddings) is 1" in err
+    assert "ppl" not in err

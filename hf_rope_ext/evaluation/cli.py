@@ -27,6 +27,7 @@ from ..arguments import (
     add_output_dir_argument,
     check_attention_backend,
     check_device,
+    given_options,
     model_label,
 )
 from ..cli import one_line
@@ -101,34 +102,34 @@ def add_parser(subparsers) -> None:
     )
     _add_model_arguments(parser)
     group = parser.add_argument_group("what to evaluate")
-    group.add_argument("--methods", type=name_list, default=name_list(ALL_METHODS),
-                       help=f"comma-separated; 'none' is the unpatched model (default {ALL_METHODS})")
-    group.add_argument("--scales", type=float_list, default=[2.0, 4.0], help="comma-separated scales (default 2,4)")
-    group.add_argument("--ppl-lengths", type=int_list, default=[],
-                       help="context lengths for perplexity, e.g. 4096,8192,16384 or 4k,8k,16k")
-    group.add_argument("--ppl-modes", type=name_list, default=["buckets"],
-                       help="buckets (one forward of L tokens, loss by position) and/or sliding")
-    group.add_argument("--bucket-size", type=int, default=None,
-                       help="position bucket width (default: native context / 4)")
-    group.add_argument("--stride", type=int, default=256, help="sliding-window stride S (default 256)")
-    group.add_argument("--sliding-tokens", type=int, default=None,
-                       help="document tokens scored by sliding windows (default: the longest --ppl-lengths)")
-    group.add_argument("--retrieval-tasks", type=name_list, default=[], help="passkey and/or needle")
-    group.add_argument("--retrieval-lengths", type=int_list, default=[], help="total tokens, prompt plus answer")
-    group.add_argument("--depths", type=float_list, default=[0.1, 0.5, 0.9],
-                       help="key depths, fractions (default 0.1,0.5,0.9)")
-    group.add_argument("--trials", type=int, default=3, help="prompts per length and depth (default 3)")
-    group.add_argument("--needle-count", type=int, default=None, help="keys per needle prompt (default 4)")
-    group.add_argument("--max-new-tokens", type=int, default=8)
-    group.add_argument("--seed", type=int, default=0, help="seed of the random keys")
-    group.add_argument("--chunk-size", type=int, default=1024, help="positions per LM-head call in the loss")
-    group.add_argument("--steps-per-doubling", type=_steps, default=DEFAULT_STEPS_PER_DOUBLING,
-                       help="frequency steps per doubling of the length for length-dependent methods, or 'exact' "
-                            f"(default {DEFAULT_STEPS_PER_DOUBLING or 'exact'}; see patch_model)")
-    group.add_argument("--no-reuse", action="store_true",
-                       help="compute every case, even when a finished case used the same rotary frequencies")
-    group.add_argument("--report-only", action="store_true",
-                       help="only regenerate the reports from results.jsonl (takes --output-dir alone)")
+    add_option(group, "--methods", type=name_list, default=name_list(ALL_METHODS),
+               help=f"comma-separated; 'none' is the unpatched model (default {ALL_METHODS})")
+    add_option(group, "--scales", type=float_list, default=[2.0, 4.0], help="comma-separated scales (default 2,4)")
+    add_option(group, "--ppl-lengths", type=int_list, default=[],
+               help="context lengths for perplexity, e.g. 4096,8192,16384 or 4k,8k,16k")
+    add_option(group, "--ppl-modes", type=name_list, default=["buckets"],
+               help="buckets (one forward of L tokens, loss by position) and/or sliding")
+    add_option(group, "--bucket-size", type=int, default=None,
+               help="position bucket width (default: native context / 4)")
+    add_option(group, "--stride", type=int, default=256, help="sliding-window stride S (default 256)")
+    add_option(group, "--sliding-tokens", type=int, default=None,
+               help="document tokens scored by sliding windows (default: the longest --ppl-lengths)")
+    add_option(group, "--retrieval-tasks", type=name_list, default=[], help="passkey and/or needle")
+    add_option(group, "--retrieval-lengths", type=int_list, default=[], help="total tokens, prompt plus answer")
+    add_option(group, "--depths", type=float_list, default=[0.1, 0.5, 0.9],
+               help="key depths, fractions (default 0.1,0.5,0.9)")
+    add_option(group, "--trials", type=int, default=3, help="prompts per length and depth (default 3)")
+    add_option(group, "--needle-count", type=int, default=None, help="keys per needle prompt (default 4)")
+    add_option(group, "--max-new-tokens", type=int, default=8)
+    add_option(group, "--seed", type=int, default=0, help="seed of the random keys")
+    add_option(group, "--chunk-size", type=int, default=1024, help="positions per LM-head call in the loss")
+    add_option(group, "--steps-per-doubling", type=_steps, default=DEFAULT_STEPS_PER_DOUBLING,
+               help="frequency steps per doubling of the length for length-dependent methods, or 'exact' "
+                    f"(default {DEFAULT_STEPS_PER_DOUBLING or 'exact'}; see patch_model)")
+    add_option(group, "--no-reuse", action="store_true",
+               help="compute every case, even when a finished case used the same rotary frequencies")
+    add_option(group, "--report-only", action="store_true",
+               help="only regenerate the reports from results.jsonl (takes --output-dir alone)")
     parser.set_defaults(handler=run_eval_command, unused_by_report_only=_options_besides(parser, "output_dir",
                                                                                          "report_only"))
 
@@ -153,8 +154,9 @@ def add_parser(subparsers) -> None:
 
 
 def _options_besides(parser: argparse.ArgumentParser, *kept: str) -> dict[str, tuple[str, object]]:
-    """``{dest: (option, default)}`` of ``parser``'s options but ``kept``: a value other than its
-    default says the option was given."""
+    """``{dest: (option, default)}`` of ``parser``'s options but ``kept``. A value option (made by
+    add_option) was given when :func:`given_options` lists it, whatever its value; a flag
+    (``store_true``) when its value differs from its default."""
     return {action.dest: (max(action.option_strings, key=len), action.default)
             for action in parser._actions  # argparse lists its options nowhere public
             if action.option_strings and action.dest not in (*kept, "help")}  # fmt: skip
@@ -250,7 +252,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     if args.report_only:
         given = [option for dest, (option, default) in args.unused_by_report_only.items()
-                 if getattr(args, dest) != default]  # fmt: skip
+                 if dest in given_options(args) or getattr(args, dest) != default]  # fmt: skip
         if given:  # an evaluation option with --report-only would be silently ignored
             raise EvaluationError(f"--report-only only regenerates the reports of --output-dir and takes no other "
                                   f"option; leave out {', '.join(given)} (or --report-only, to evaluate).")
@@ -311,6 +313,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         args.device_map is not None and torch.cuda.is_available()
     )
     native_context = _native_context(args.model)
+    if native_context < 2:  # else the plan would refuse a --ppl-length that was never given
+        raise EvaluationError(f"{args.model}: its native context (max_position_embeddings) is {native_context} "
+                              "token(s); the demo needs a model with at least 2.")
     settings = demo_settings(native_context, on_gpu, method=args.method, scale=args.scale,
                              ppl_length=args.ppl_length, passkey_length=args.passkey_length)  # fmt: skip
     plan = demo_plan(settings)

@@ -117,8 +117,10 @@ class EvalPlan:
                 raise EvaluationError(f"Scales must be numbers > 1 (times the native context), got {scale!r}.")
         for name in ("ppl_lengths", "retrieval_lengths"):
             for length in getattr(self, name):
-                if isinstance(length, bool) or not isinstance(length, int) or length < 2:
-                    raise EvaluationError(f"{name} must be positive integer token counts, got {length!r}.")
+                if isinstance(length, bool) or not isinstance(length, int) or length < 2:  # a loss needs 2 tokens
+                    option = "--" + name.replace("_", "-")  # named for both callers: the API and the command line
+                    raise EvaluationError(f"{name} ({option}) must be integer token counts of at least 2, got "
+                                          f"{length!r}.")  # fmt: skip
         unknown_modes = [mode for mode in self.ppl_modes if mode not in PPL_MODES]
         if unknown_modes:
             raise EvaluationError(f"Unknown perplexity mode(s) {unknown_modes}; use {' and/or '.join(PPL_MODES)}.")

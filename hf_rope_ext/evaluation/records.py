@@ -298,19 +298,32 @@ REPORT_FILES = ("summary.json", "results.csv", "results.md", "perplexity_by_posi
 
 def check_output_dir(output_dir: str | os.PathLike, *, append: bool = True, reports: bool = True) -> None:
     """Refuse, before any work (the model loads, the first forward), an output folder that the
-    evaluation could not write: a file; a folder (or the folder it would be created in) that is not
-    writable; a ``results.jsonl`` that is not a file or (``append``) cannot be appended to. With
-    ``reports`` (a caller that writes eval's reports), also a folder where a report goes, and a
-    folder holding files named as the reports but no ``results.jsonl``: they are not reports of an
-    earlier evaluation, and would be overwritten."""
+    evaluation could not write: a file; a broken symbolic link (the folder, a folder above it, or a
+    ``results.jsonl`` whose target could not be made); a folder (or the folder it would be created
+    in) that is not writable; a ``results.jsonl`` that is not a file or (``append``) cannot be
+    appended to. With ``reports`` (a caller that writes eval's reports), also a folder where a
+    report goes, and a folder holding files named as the reports but no ``results.jsonl``: they
+    are not reports of an earlier evaluation, and would be overwritten. Without ``append`` and
+    ``reports`` (a caller that writes neither), ``results.jsonl`` is not looked at."""
     output_dir = Path(output_dir)
+    results = output_dir / RESULTS_FILE
+    uses_results = append or reports  # a caller that writes neither (benchmark_speed.py) never opens it
+    # A symbolic link to nothing passes exists() as "not there yet", and fails only at the first
+    # write (mkdir: File exists; open: No such file), after the model loaded and a case ran. A
+    # results.jsonl linked to a file not made yet is fine where that file can be made (append does).
+    for entry in ((results,) if uses_results else ()) + (output_dir, *output_dir.parents):
+        if entry == results and Path(os.path.realpath(results)).parent.is_dir():
+            continue
+        if os.path.lexists(entry) and not entry.exists():
+            what = f"--output-dir {output_dir} cannot be used: {entry}" if entry != results else str(results)
+            raise EvaluationError(f"{what} is a broken symbolic link (to {os.readlink(entry)}); remove it or create "
+                                  "its target, or use another --output-dir.")  # fmt: skip
     if output_dir.exists() and not output_dir.is_dir():
         raise EvaluationError(f"--output-dir {output_dir} is a file, not a folder; pass a folder (new or existing).")
     blocking = file_in_the_way(output_dir.parent)
     if blocking is not None:  # the folder could be made only at the first write, after a case ran
         raise EvaluationError(f"--output-dir {output_dir} cannot be created: {blocking} is a file; pass another folder.")
-    results = output_dir / RESULTS_FILE
-    if results.exists() and not results.is_file():
+    if uses_results and results.exists() and not results.is_file():
         raise EvaluationError(f"{results} is not a file; remove it or use another --output-dir.")
     # os.access also sees a read-only file system and immutable files (chattr +i), for root too.
     existing = next(folder for folder in (output_dir, *output_dir.absolute().parents) if folder.exists())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import operator
 import random
 import time
 from collections.abc import Mapping
@@ -36,6 +37,7 @@ from .plan import EvalPlan
 from .records import (
     EXACT_STEPS,
     NONE_METHOD,
+    RECORD_FIELDS,
     STATE_FIELDS,
     EvaluationError,
     ResultStore,
@@ -295,6 +297,26 @@ def _run_case(model: nn.Module, tokenizer, plan: EvalPlan, spec: dict[str, Any],
             "outputs": result.outputs}  # fmt: skip
 
 
+def _check_record_arguments(documents: Mapping[Any, Any], model_name: Any, dtype: Any, native_context: Any) -> int:
+    """Refuse, before any forward, an argument of :func:`run_evaluation` that would be written into
+    every record as a value the results' reader (:data:`.records.RECORD_FIELDS`) refuses: the run
+    would be lost, and the folder refused until the lines were edited. Returns ``native_context``
+    as an integer (``32.0`` or a NumPy integer are taken for ``32``)."""
+    if isinstance(native_context, float) and native_context.is_integer():
+        native_context = int(native_context)
+    elif not isinstance(native_context, bool) and hasattr(native_context, "__index__"):
+        native_context = operator.index(native_context)
+    perplexity_fields = RECORD_FIELDS["perplexity"]
+    for argument, field, values in (("documents' names (its keys)", "document", list(documents)),
+                                    ("model_name", "model", [model_name]), ("dtype", "dtype", [dtype]),
+                                    ("native_context", "native_context", [native_context])):  # fmt: skip
+        _, valid, expected = perplexity_fields[field]
+        for value in values:
+            if not valid(value):
+                raise EvaluationError(f"{argument} must be {expected.removesuffix(' or null')}, got {value!r}.")
+    return native_context
+
+
 def run_evaluation(
     model: nn.Module,
     tokenizer,
@@ -303,7 +325,7 @@ def run_evaluation(
     *,
     documents: Mapping[str, torch.Tensor] | None = None,
     model_name: str | None = None,
-    dtype: str | None = None,
+    dtype: str | torch.dtype | None = None,
     native_context: int | None = None,
     write_report: bool = True,
     progress: bool = True,
@@ -315,13 +337,21 @@ def run_evaluation(
     :func:`hf_rope_ext.unpatch_model` afterwards, also when a case fails or the run is
     interrupted. Reports (:func:`hf_rope_ext.evaluation.report.write_reports`) are rewritten at
     the end, also after an interruption.
+
+    ``documents`` (name: token ids), ``model_name``, ``dtype`` and ``native_context`` are written
+    into every record: a value the records cannot hold (a name that is not a non-empty string, a
+    native context that is not a positive integer) raises :class:`EvaluationError` before any
+    forward. A ``torch.dtype`` is recorded as ``"float32"``, as the model's own dtype by default.
     """
-    # Lists, arrays and (1, n) tensors as tokenizers return them: 1-D tensors from here on.
-    documents = dict(zip(documents, document_tensors(list(documents.values())))) if documents else {}
     if native_context is None:
         native_context = int(model.config.max_position_embeddings)
     model_name = model_name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+    if isinstance(dtype, torch.dtype):  # named as the default below names the model's own
+        dtype = str(dtype).replace("torch.", "")
     dtype = dtype or str(next(model.parameters()).dtype).replace("torch.", "")
+    native_context = _check_record_arguments(documents or {}, model_name, dtype, native_context)
+    # Lists, arrays and (1, n) tensors as tokenizers return them: 1-D tensors from here on.
+    documents = dict(zip(documents, document_tensors(list(documents.values())))) if documents else {}
     plan.validate(native_context)
     check_documents(plan, documents)
     _check_inputs_fit(plan, tokenizer, documents)
