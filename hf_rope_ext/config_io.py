@@ -94,6 +94,7 @@ __all__ = [
     "check_rope_spellings",
     "custom_rope_type",
     "extended_length",
+    "head_dim_of",
     "kept_rope_fields",
     "legacy_attn_factor",
     "legacy_fields",
@@ -205,7 +206,8 @@ def legacy_fields(rope: Mapping[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _head_dim(config: Any) -> int:
+def head_dim_of(config: Any) -> int:
+    """The per-head size (``head_dim``, or hidden_size / num_attention_heads where it is null)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -214,21 +216,31 @@ def rotary_dim_of(config: Any, rope: Mapping[str, Any] | None = None) -> int:
     from the module): Llama-style modules ignore ``partial_rotary_factor`` and rotate the whole head."""
     rope = rope if rope is not None else compat.rope_parameters(config)
     if not rotates_partial(getattr(config, "model_type", None)):
-        return _head_dim(config)
+        return head_dim_of(config)
     factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
-    return int(_head_dim(config) * factor)
+    return int(head_dim_of(config) * factor)
 
 
-def kept_rope_fields(config: Any, rope: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def kept_rope_fields(
+    config: Any, rope: Mapping[str, Any] | None = None, rotary_dim: int | None = None
+) -> dict[str, Any]:
     """The base model's ``rope_parameters`` keys a patch keeps (``partial_rotary_factor``), as the
     module really rotates them: transformers' scaled rope types (linear, yarn, ...) and vLLM read
-    the factor even for families whose own module ignores it, so a checkpoint must hold the true one."""
+    the factor even for families whose own module ignores it, so a checkpoint must hold the true one.
+
+    ``rotary_dim``: what the rotary module rotates (``2 * inv_freq.shape[-1]``), when the module is
+    at hand; the config's factor is kept when it gives that dimension, else the module's fraction is
+    written. Without it (a config alone) the family table says (:func:`rotary_dim_of`)."""
     rope = rope if rope is not None else compat.rope_parameters(config)
     if "partial_rotary_factor" not in rope:
         return {}
-    if rotates_partial(getattr(config, "model_type", None)):
-        return {"partial_rotary_factor": rope["partial_rotary_factor"]}
-    return {"partial_rotary_factor": 1.0}
+    factor = rope["partial_rotary_factor"]
+    if rotary_dim is None:
+        return {"partial_rotary_factor": factor if rotates_partial(getattr(config, "model_type", None)) else 1.0}
+    head_dim = head_dim_of(config)
+    if is_finite(factor) and int(head_dim * factor) == rotary_dim:
+        return {"partial_rotary_factor": factor}
+    return {"partial_rotary_factor": rotary_dim / head_dim}
 
 
 def _record_error(config: Any, problem: str) -> ValueError:
@@ -305,6 +317,10 @@ def verify_record(config: Any) -> PatchSpec | None:
         problems.append(
             f"max_position_embeddings is {config.max_position_embeddings!r}, expected {expected_max_positions}"
         )
+    elif problems and _llama_style_factor_only(config, kept, expected_rope, actual):
+        # Saved by hf_rope_ext before it wrote the factor the module rotates: the config is not
+        # edited, and deleting the record leaves a factor transformers' scaled types apply to the head.
+        raise ValueError(ignored_factor_message(config, actual["partial_rotary_factor"]))
     if problems:
         raise _record_error(
             config,
@@ -313,6 +329,28 @@ def verify_record(config: Any) -> PatchSpec | None:
             + ".",
         )
     return recorded
+
+
+def ignored_factor_message(config: Any, factor: Any) -> str:
+    """The refusal of a checkpoint whose ``partial_rotary_factor`` its rotary module ignores."""
+    return (
+        f"model_type {getattr(config, 'model_type', '?')!r}: config.json holds partial_rotary_factor {factor!r}, which "
+        "this family's rotary module ignores (it rotates the whole head); an earlier hf_rope_ext saved the base "
+        "model's factor, so transformers rebuilds the wrong frequency count. Set partial_rotary_factor to 1.0 in "
+        "rope_parameters and rope_scaling (and at the top level, if present) of config.json."
+    )
+
+
+def _llama_style_factor_only(config: Any, kept: Mapping[str, Any], expected: Mapping[str, Any],
+                             actual: Mapping[str, Any]) -> bool:
+    """Whether the RoPE fields differ from the record only by a ``partial_rotary_factor`` that a
+    Llama-style family's module ignores: a checkpoint saved before hf_rope_ext wrote the factor the
+    module rotates (and unloadable then too: transformers' scaled types apply it to the head)."""
+    if rotates_partial(getattr(config, "model_type", None)) or kept.get("partial_rotary_factor") != 1.0:
+        return False
+    if actual.get("partial_rotary_factor") in (None, 1.0):
+        return False
+    return not _differences(expected, {**actual, "partial_rotary_factor": 1.0})
 
 
 _TOP_LEVEL_ROPE = ("rope_theta", "original_max_position_embeddings")

@@ -59,8 +59,9 @@ def family_info(model_type: str | None) -> FamilyInfo | None:
 
 
 def rotates_partial(model_type: str | None) -> bool:
-    """Whether the family's rotary module honours ``partial_rotary_factor`` (unknown families: assumed,
-    as transformers' generic rope functions do)."""
+    """Whether the family's rotary module honours ``partial_rotary_factor``, for reads of a config
+    alone (unknown families: assumed, as transformers' generic rope functions do). With the module
+    at hand, its ``inv_freq`` says (:func:`hf_rope_ext.config_io.kept_rope_fields`)."""
     info = family_info(model_type)
     return info is None or info.partial_rotary
 

@@ -211,6 +211,9 @@ def _save_patched(model: nn.Module, save_directory: str | os.PathLike, *, tokeni
         saved["rope_parameters"].update(recorded.kept)
         if "partial_rotary_factor" in recorded.kept and "partial_rotary_factor" in saved:
             saved["partial_rotary_factor"] = recorded.kept["partial_rotary_factor"]
+        if "head_dim" in saved and saved["head_dim"] is None:
+            # Mixtral's default: transformers' yarn and longrope read config.head_dim, and fail on null.
+            saved["head_dim"] = config_io.head_dim_of(model.config)
         if legacy_fields:
             saved.update(config_io.legacy_fields(saved["rope_parameters"]))
         config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
@@ -515,6 +518,10 @@ def restore_patch(model: nn.Module) -> nn.Module:
                 "rotary modules built as Module(config=config), as in Llama, Mistral, Qwen2 and Qwen3."
             ) from error
         fresh.to(loaded.inv_freq.device)
+        rotated, factor = 2 * fresh.inv_freq.shape[-1], recorded.kept.get("partial_rotary_factor")
+        if rotated != recorded.rotary_dim and factor is not None and rotated == config_io.head_dim_of(config):
+            # An untabled family (mixtral, olmo) saved before the factor was read from the module.
+            raise ValueError(config_io.ignored_factor_message(config, factor))
         setattr(parent, attribute, fresh)
         recorded.apply(model)
     except Exception:

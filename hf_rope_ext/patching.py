@@ -322,7 +322,8 @@ class _Target:
         self.module_name, self.module, self.config, self.model_type = module_name, module, config, model_type
         self.base = float(rope["rope_theta"])
         self.rotary_dim = 2 * module.inv_freq.shape[-1]
-        self.kept = config_io.kept_rope_fields(config, rope)
+        # The fraction this module rotates (mixtral, olmo, ... ignore the config's partial_rotary_factor).
+        self.kept = config_io.kept_rope_fields(config, rope, self.rotary_dim)
         self.rope = rope
 
 
@@ -406,6 +407,8 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec, restoring: bool
     # worked: the config object may be shared with another model (two models built from one
     # config), which must not change.
     config = copy.deepcopy(target.config)
+    if hasattr(config, "head_dim") and config.head_dim is None:  # transformers' yarn/longrope read it
+        config.head_dim = config_io.head_dim_of(config)
     new_rope, max_positions = config_io.rope_config_for(rope_method, resolved, base, rotary_dim, spec.kept)
     # Phi-3 configs also hold the trained context at the top level, and transformers takes it over
     # rope_parameters' (its class default, 4096, often differs): it must say L0 as well.

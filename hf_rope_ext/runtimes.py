@@ -18,6 +18,7 @@ Sources read: vLLM ``vllm/config/model.py`` (``_get_and_verify_max_len``) and
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -234,13 +235,18 @@ def _patch_of(
     original = patch_kwargs.pop("original_max_length", None)
     if original is None:  # not `or`: 0 is refused, as by describe_patch
         original = config.max_position_embeddings
-    kept = config_io.kept_rope_fields(config, rope)  # as the module rotates: config_io.rotary_dim_of
+    rotary_dim = config_io.rotary_dim_of(config, rope)  # a config alone: as the family's module rotates
+    if isinstance(source, nn.Module) and "partial_rotary_factor" in rope:  # patch_model reads the module's
+        from .patching import find_rotary_module
+
+        rotary_dim = 2 * find_rotary_module(source)[1].inv_freq.shape[-1]
+    kept = config_io.kept_rope_fields(config, rope, rotary_dim)
     patch = describe_patch(
         method,
         scale,
         original_max_length=original,
         rope_theta=rope["rope_theta"],
-        rotary_dim=config_io.rotary_dim_of(config, rope),
+        rotary_dim=rotary_dim,
         partial_rotary_factor=kept.get("partial_rotary_factor"),
         **patch_kwargs,
     )
@@ -282,6 +288,8 @@ def runtime_settings(
         _check_model_type(model_type, patch)
     model_type = model_type or found_type
     vllm, llama_cpp = (_translate(patch, runtime, model_type) for runtime in RUNTIMES)
+    if not isinstance(source, (PatchSpec, nn.Module)) and config_io.read_record(source) is not None:
+        vllm = _without_saved_attn_factor(vllm, source)  # a saved checkpoint's config: say what it holds
     if patch.logn_attention:
         vllm, llama_cpp = _without_logn(vllm), _without_logn(llama_cpp)
     return RuntimeSettings(
@@ -424,6 +432,27 @@ _VLLM_LINEAR_NOTE = (
 )
 
 
+_CHECKPOINT_HOLDS = "A checkpoint saved with hf_rope_ext already holds these settings"
+
+
+def _without_saved_attn_factor(command: RuntimeCommand, config: Any) -> RuntimeCommand:
+    """``command`` for a patched config whose RoPE fields lack the legacy ``attn_factor`` that the
+    overrides carry (a yarn checkpoint saved before hf_rope_ext wrote it): the checkpoint alone does
+    not give older vLLM releases its attention_factor, so the note must not say it does."""
+    overrides = command.settings.get("hf_overrides", {}).get("rope_parameters", {})
+    if "attn_factor" not in overrides or "attn_factor" in compat.rope_parameters(config):
+        return command
+    note = (
+        "This checkpoint's config.json has no attn_factor (saved by an earlier hf_rope_ext, or with "
+        "legacy_fields=False): vLLM 0.32 reads its attention_factor, but older releases read only attn_factor and "
+        "would use their default scale. Serve it with the --hf-overrides above (legacy_hf_overrides on releases built "
+        f"on transformers 4.x), or re-save it with hf_rope_ext.hub.save_patched, which writes "
+        f"attn_factor={overrides['attn_factor']:.6g}."
+    )
+    notes = tuple(note if text.startswith(_CHECKPOINT_HOLDS) else text for text in command.notes)
+    return dataclasses.replace(command, notes=notes)
+
+
 def vllm_command(
     patch: PatchSpec,
     rope: Mapping[str, Any],
@@ -443,7 +472,7 @@ def vllm_command(
             "the base model with these overrides."
         )
     notes.append(checkpoint_note or (
-        "A checkpoint saved with hf_rope_ext already holds these settings: `vllm serve CHECKPOINT "
+        f"{_CHECKPOINT_HOLDS}: `vllm serve CHECKPOINT "
         f"--max-model-len {patch.extended_context}` is enough; --hf-overrides applies them to the base model."
     ))  # fmt: skip
     notes.append(
@@ -498,8 +527,9 @@ def _vllm_yarn(patch: PatchSpec, status: str, notes: list[str]) -> RuntimeComman
         # own 0.1 ln(s) + 1. A release reads one of the two, so either way the scale is ours.
         rope["attn_factor"] = config_io.legacy_attn_factor(rope)
         notes.append(
-            f"attention_factor={params['attention_factor']} is also written as attn_factor={rope['attn_factor']:.6g}: "
-            "vLLM 0.32 reads attention_factor, older releases attn_factor x (0.1 ln s + 1); both give the same scale."
+            f"attention_factor={params['attention_factor']} is also written as attn_factor={rope['attn_factor']:.6g} "
+            "in the overrides: vLLM 0.32 reads attention_factor, older releases attn_factor x (0.1 ln s + 1); both "
+            "give the same scale."
         )
     if not params.get("truncate", True):
         status = "approximate"

@@ -143,13 +143,13 @@ def on_a_thread(run) -> dict:
 
 
 @contextlib.contextmanager
-def paused_on_a_thread(module, run):
-    """Start ``run()`` (under no_grad) on a thread of its own, which pauses when it reaches
-    ``module`` (a forward pre-hook) until the block ends; yields the dict its result goes in
-    (``"result"``, there once the block has ended)."""
+def thread_paused_at(run, install):
+    """Start ``run()`` (under no_grad) on a thread of its own, which waits where it calls the
+    ``pause`` that ``install(pause)`` puts in place (``install`` returns how to remove it) until
+    the block ends; yields the dict its result goes in (``"result"``, there once the block ended)."""
     inside, release, outcome = threading.Event(), threading.Event(), {}
 
-    def hold(*_):
+    def pause(*_):
         if threading.current_thread() is thread:
             inside.set()
             release.wait(timeout=30)
@@ -158,7 +158,7 @@ def paused_on_a_thread(module, run):
         with torch.no_grad():
             outcome["result"] = run()
 
-    handle = module.register_forward_pre_hook(hold, with_kwargs=True)
+    remove = install(pause)
     thread = threading.Thread(target=work)
     thread.start()
     try:
@@ -167,7 +167,39 @@ def paused_on_a_thread(module, run):
     finally:
         release.set()
         thread.join()
-        handle.remove()
+        remove()
+
+
+def paused_on_a_thread(module, run):
+    """:func:`thread_paused_at`, pausing when the thread reaches ``module`` (a forward pre-hook)."""
+    return thread_paused_at(run, lambda pause: module.register_forward_pre_hook(pause, with_kwargs=True).remove)
+
+
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer (the passkey prompts need a real one); the test is skipped without it."""
+    try:
+        from transformers import AutoTokenizer
+
+        from hf_rope_ext.loading import smollm2_checkpoint
+
+        return AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    except (FileNotFoundError, ImportError) as error:
+        pytest.skip(f"SmolLM2 tokenizer unavailable: {error}")
+
+
+def save_tiny_llama(folder: Path, native_context: int) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer saved in ``folder``, for the commands."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer = smollm2_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=native_context,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 REPO = Path(__file__).resolve().parents[1]

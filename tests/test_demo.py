@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from conftest import save_tiny_llama
 
 from hf_rope_ext.cli import main as cli_main
 from hf_rope_ext.evaluation import EvaluationError
@@ -169,22 +170,8 @@ def test_demo_refuses_more_than_one_document(text_files, dataset, count, given):
 def checkpoint_130(tmp_path_factory):
     """A tiny random Llama with a native context of 130 tokens (not a multiple of 4) and the
     SmolLM2 tokenizer (the passkey prompts need a real one), with a text of about 4k tokens."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from hf_rope_ext.loading import smollm2_checkpoint
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    except (FileNotFoundError, ImportError) as error:
-        pytest.skip(f"SmolLM2 tokenizer unavailable: {error}")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=130,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.eos_token_id)  # fmt: skip
-    torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny-130")
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
+    save_tiny_llama(folder / "model", native_context=130)
     (folder / "book.txt").write_text(" ".join(f"Line {i} of a long and winding story." for i in range(400)))
     return folder
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ORIGINAL_CONTEXT, make_model, random_ids
+from conftest import ORIGINAL_CONTEXT, make_model, random_ids, save_tiny_llama, smollm2_tokenizer
 from torch import nn
 
 from hf_rope_ext import DEFAULT_METHOD, get_patch_info, patch_model, unpatch_model
@@ -240,20 +240,9 @@ def test_perplexity_rejects_short_documents_and_bad_settings():
 # ----------------------------------------------------------------------------------------------
 
 
-def _smollm2_tokenizer():
-    try:
-        from transformers import AutoTokenizer
-
-        from hf_rope_ext.loading import smollm2_checkpoint
-
-        return AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    except (FileNotFoundError, ImportError) as error:
-        pytest.skip(f"SmolLM2 tokenizer unavailable: {error}")
-
-
 @pytest.fixture(params=["chars", "smollm2"], scope="module")
 def tokenizer(request):
-    return CharTokenizer() if request.param == "chars" else _smollm2_tokenizer()
+    return CharTokenizer() if request.param == "chars" else smollm2_tokenizer()
 
 
 def _encode(tokenizer, text):
@@ -786,18 +775,7 @@ def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A tiny random Llama (native context 256) saved with the SmolLM2 tokenizer, for the commands."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    tokenizer = _smollm2_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.eos_token_id)  # fmt: skip
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("tiny")
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), native_context=256)
 
 
 def test_eval_and_demo_commands_end_to_end(tiny_checkpoint, tmp_path, capsys):

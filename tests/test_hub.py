@@ -1939,3 +1939,105 @@ def test_runtime_settings_minor_input_checks(tmp_path, capsys):
     with pytest.raises(ValueError, match="disagree") as error:
         load_patched(folder)
     assert "edit of rope_parameters alone" not in str(error.value)
+
+
+def _mixtral(seed=0, **overrides):
+    from conftest import TINY_SHAPE, strengthen_weights
+    from transformers import MixtralConfig
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(**{**TINY_SHAPE, "tie_word_embeddings": False, **overrides})
+    return strengthen_weights(AutoModelForCausalLM.from_config(config, attn_implementation="eager")).eval()
+
+
+@pytest.mark.parametrize("method", ["linear", "yarn"])
+def test_untabled_family_whose_module_ignores_partial_rotary_factor(tmp_path, method):
+    # Mixtral is in no family table; its rotary module rotates the whole head whatever the factor says.
+    half = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    model = _mixtral(head_dim=16, rope_parameters=half)
+    assert 2 * model.model.rotary_emb.inv_freq.numel() == 16
+    described = runtime_settings(model, method, 4).vllm.settings["hf_overrides"]["rope_parameters"]
+    assert described["partial_rotary_factor"] == 1.0
+    ids = random_ids(LENGTH)
+    _patch(model, method)
+    folder = save_patched(model, tmp_path / "ckpt")
+    assert json.loads((folder / "config.json").read_text())["rope_parameters"]["partial_rotary_factor"] == 1.0
+    # The reference: plain transformers builds the frequencies from the saved config alone.
+    plain = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    expected = _logits(plain, ids)
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_logits(load_patched(folder, attn_implementation="eager"), ids), expected,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+def test_check_patch_reads_the_rotary_dimension_build_model_patches():
+    from hf_rope_ext.training.config import FinetuneConfig, Lengths
+    from hf_rope_ext.training.model import check_patch
+
+    config = _mixtral(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                    "partial_rotary_factor": 0.5}).config  # fmt: skip
+    # longrope takes one factor per rotated frequency: 8 for the 16 dimensions the module rotates.
+    params = json.dumps({"long_factor": LONG_FACTOR})
+    check_patch(FinetuneConfig(model="m", output_dir="o", method="longrope", method_params=params),
+                Lengths(original=L0, target=4 * L0, scale=4, window=4 * L0), config)  # fmt: skip
+
+
+def test_null_head_dim_is_saved_as_the_head_size(tmp_path):
+    model = _mixtral()  # MixtralConfig's head_dim defaults to None; transformers' yarn reads it
+    assert model.config.head_dim is None
+    ids = random_ids(LENGTH)
+    _patch(model, "yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    assert json.loads((folder / "config.json").read_text())["head_dim"] == 64 // 4
+    plain = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    expected = _logits(plain, ids)
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_logits(load_patched(folder, attn_implementation="eager"), ids), expected,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_checkpoint_with_the_ignored_factor_names_the_fix(tmp_path, family):
+    # What the earlier version saved for a Llama-style config with partial_rotary_factor 0.5
+    # (mixtral: a family in no table, whose module rotates the whole head too).
+    half = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    model = make_model("llama", partial_rotary_factor=0.5) if family == "llama" else _mixtral(rope_parameters=half)
+    ids = random_ids(LENGTH)
+    _patch(model, "yarn")
+    expected = _logits(model, ids)
+    folder = save_patched(model, tmp_path / "ckpt")
+
+    def set_factor(factor):
+        def edit(config):
+            for spelling in ("rope_parameters", "rope_scaling"):
+                config[spelling]["partial_rotary_factor"] = factor
+            if "partial_rotary_factor" in config:
+                config["partial_rotary_factor"] = factor
+        _edit_raw_config(folder, edit)
+
+    set_factor(0.5)
+    fix = "Set partial_rotary_factor to 1.0 in rope_parameters and rope_scaling"
+    with pytest.raises(ValueError, match=fix) as error:
+        load_patched(folder)
+    assert "edited or is corrupt" not in str(error.value)
+    set_factor(1.0)  # the fix the message names
+    torch.testing.assert_close(_logits(load_patched(folder), ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_runtime_notes_of_a_yarn_checkpoint_without_attn_factor(tmp_path, capsys):
+    model = make_model("llama")
+    _patch(model, "yarn", attention_factor=1.3)
+    folder = save_patched(model, tmp_path / "ckpt")
+    holds = "already holds these settings"
+    assert any(holds in note for note in runtime_settings(AutoConfig.from_pretrained(folder)).vllm.notes)
+
+    def drop(config):  # what the earlier version saved: attention_factor only
+        for spelling in ("rope_parameters", "rope_scaling"):
+            config[spelling].pop("attn_factor", None)
+    _edit_raw_config(folder, drop)
+    notes = runtime_settings(AutoConfig.from_pretrained(folder)).vllm.notes
+    assert not any(holds in note for note in notes)
+    assert any("config.json has no attn_factor" in note and "save_patched" in note for note in notes)
+    assert cli_main(["runtimes", "--model-dir", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert holds not in out and "has no attn_factor" in out

@@ -20,6 +20,7 @@ from conftest import (
     paused_on_a_thread,
     random_ids,
     strengthen_weights,
+    thread_paused_at,
 )
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
 
@@ -888,28 +889,16 @@ def _greedy(model, prompt, new_tokens, processors=()):
                           logits_processor=LogitsProcessorList(list(processors)))  # fmt: skip
 
 
-@contextlib.contextmanager
 def _generating_on_a_thread(model, prompt, new_tokens):
     """Start a greedy ``generate`` on a thread of its own that waits between two of its forwards
     until the block ends; yields the dict its tokens go in (``"result"``, once the block ended)."""
-    inside, release, outcome = threading.Event(), threading.Event(), {}
+    processors = []
 
-    def pause():
-        inside.set()
-        release.wait(timeout=30)
+    def install(pause):
+        processors.append(_AtStep(3, pause))
+        return processors.clear
 
-    def work():
-        with torch.no_grad():
-            outcome["result"] = _greedy(model, prompt, new_tokens, [_AtStep(3, pause)])
-
-    thread = threading.Thread(target=work)
-    thread.start()
-    try:
-        assert inside.wait(timeout=30)
-        yield outcome
-    finally:
-        release.set()
-        thread.join()
+    return thread_paused_at(lambda: _greedy(model, prompt, new_tokens, processors), install)
 
 
 @pytest.mark.parametrize("method", ["self-extend-yarn", "dynamic"])
@@ -1101,3 +1090,27 @@ def test_the_refusal_during_another_threads_generate_says_to_join_that_thread():
     with _generating_on_a_thread(model, random_ids(40), 30), torch.no_grad():
         with pytest.raises(RuntimeError, match="a generate ends when it returns, not when its streamer does: join its thread"):
             model(random_ids(20, seed=2))
+
+
+def test_a_config_with_a_null_head_dim_patches_as_one_that_gives_it():
+    """Mixtral's default config has head_dim None, which transformers' longrope (and yarn) init
+    multiplies: patch_model refused with "unsupported operand type(s)". It now patches as the same
+    model whose config states the head size, and unpatch gives the null back."""
+    from transformers import MixtralConfig
+
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=L0, num_local_experts=2)  # fmt: skip
+    factors = {"long_factor": [1.0 + 0.25 * i for i in range(8)], "short_factor": [1.0] * 8}
+    models = []
+    for head_dim in (None, 16):
+        torch.manual_seed(0)
+        models.append(AutoModelForCausalLM.from_config(MixtralConfig(**shape, head_dim=head_dim)).eval())
+    null, stated = models
+    assert null.config.head_dim is None
+    ids = random_ids(3 * L0)
+    for model in models:
+        patch_model(model, scale=4, method="longrope", **factors)
+    with torch.no_grad():
+        assert torch.equal(null(ids).logits, stated(ids).logits)
+    unpatch_model(null)
+    assert null.config.head_dim is None

@@ -107,9 +107,23 @@ def check_patch(config: FinetuneConfig, lengths: Lengths, model_config) -> None:
     if taken:
         raise ValueError(f"--method-params cannot hold {', '.join(taken)}.")
     rope = rope_parameters(model_config)
+    rotary_dim = rotary_dim_of(model_config, rope)
+    if "partial_rotary_factor" in rope:
+        # What build_model's patch_model reads from the module (mixtral, olmo, ... ignore the factor):
+        # the model built without weights on the meta device.
+        from transformers import AutoModelForCausalLM
+
+        from ..patching import find_rotary_module
+
+        try:
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(model_config)
+            rotary_dim = 2 * find_rotary_module(skeleton)[1].inv_freq.shape[-1]
+        except (ValueError, ImportError, KeyError):  # (remote code, no rotary module): build_model's patch refuses
+            pass
     try:
         spec = PatchSpec.create(config.method, lengths.scale, original_max_length=lengths.original,
-                                rope_theta=rope["rope_theta"], rotary_dim=rotary_dim_of(model_config, rope), **params)
+                                rope_theta=rope["rope_theta"], rotary_dim=rotary_dim, **params)
         # What patch_model adds to the spec's checks: the attention remaps and the frequencies.
         method, resolved = spec.rope_method, spec.resolved_params()
         for remap in (method.attention, method.attention_below_settle):
