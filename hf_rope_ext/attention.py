@@ -1458,7 +1458,8 @@ class AttentionPatch:
         """Refuse an attention module that is not part of the patched model: a model built from a copy
         of its config (``from_config(patched.config)``, a deepcopy of it) carries this patch's private
         name without being patched, and would run this model's state, not its own."""
-        if id(module) in self.own_module_ids:
+        # nn.DataParallel's replicas are shallow copies of the model's modules that share its patch
+        if id(module) in self.own_module_ids or getattr(module, "_is_replica", False):
             return
         model = None if self.hooked_model is None else self.hooked_model()
         if model is None:  # installed without a model (no hooks), or the model is gone: nothing to tell
@@ -1610,21 +1611,23 @@ class AttentionPatch:
 
         The geometry recorded by :meth:`mask` belongs to one forward: a forward whose mask
         function does not run must not read an earlier one's. Masks given by layer type (a dict)
-        were made for this forward by the caller, through :meth:`mask`: ``generate`` builds them so
-        for a compileable cache (a static one) of a model with ``layer_types`` (Qwen2, Qwen3), and
-        their geometry (a static cache is longer than its tokens) is kept. A cache this patch did not fill
+        were built by the caller before the forward (``generate`` does so for a static cache of a
+        model with ``layer_types``, Qwen2 and Qwen3): their geometry is read from the cache as
+        transformers' mask preparation reads it (:func:`_cache_geometry`), since the mask
+        function's records may belong to another cache's masks built meanwhile. A cache this patch did not fill
         (before patching, under another patch) is refused: its keys carry other rotations. And
         the cached keys are taken to sit at the positions just before the new tokens (see
         :func:`_key_positions`): a call that continues a cache with positions that jump is
         refused, not computed with wrong distances.
         """
         self._start_forward(module)
+        self.geometry.clear()
         arguments = _forward_arguments(module, args, kwargs)
-        if arguments is None or not isinstance(arguments.get("attention_mask"), Mapping):
-            self.geometry.clear()
         name, cache, positions = _cache_and_positions(module, args, kwargs, arguments=arguments)
         if cache is None:
             return
+        if isinstance(arguments.get("attention_mask"), Mapping):
+            self.geometry.update(_cache_geometry(cache, _new_tokens(arguments, positions)))
         end = self.filled.check(cache, name)
         if end is None or end.last_positions is None or positions is None:
             return  # an empty cache, or last positions unknown (cropped, or taken from the cache)
@@ -1667,8 +1670,6 @@ class AttentionPatch:
         saved = self.saved_lengths.pop() if self.saved_lengths else None
         if depth > 1 and self.forward_state is not None:  # the enclosing forward goes on at its own length
             self.forward_state.current_length = saved
-        if depth == 1:  # what before_forward keeps is then only what was recorded for the next forward
-            self.geometry.clear()
         # memos off after every forward, an inner one (run by a hook) too: the outer one then
         # recomputes its remaining layers' positions, and a count left up by an interrupted
         # forward cannot keep them on
@@ -1769,6 +1770,40 @@ def _packed_bounds(position_ids: torch.Tensor, kwargs: Mapping[str, Any], query_
 
 
 _FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}  # per model class: read once, bound per forward
+
+
+def _new_tokens(arguments: Mapping[str, Any], positions: torch.Tensor | None) -> int | None:
+    """How many tokens a call of the model adds (None where it cannot tell)."""
+    if positions is not None:
+        return positions.shape[-1]
+    for name in ("input_ids", "inputs_embeds"):
+        given = arguments.get(name)
+        if isinstance(given, torch.Tensor) and given.dim() >= 2:
+            return given.shape[1]
+    return None
+
+
+def _cache_geometry(cache: Any, query_len: int | None) -> dict[tuple[int, int], _Geometry]:
+    """The geometry transformers' mask preparation reads from ``cache`` for a call of
+    ``query_len`` new tokens (``get_query_offset`` and ``get_mask_sizes`` of the first layer of
+    each kind), keyed as :meth:`AttentionPatch.mask` records it; empty where the cache cannot say."""
+    layers = getattr(cache, "layers", None)
+    if query_len is None or not layers or not all(
+        callable(getattr(cache, name, None)) for name in ("get_query_offset", "get_mask_sizes")
+    ):
+        return {}
+    geometry, kinds = {}, set()
+    for index, layer in enumerate(layers):
+        if type(layer) in kinds:
+            continue
+        kinds.add(type(layer))
+        try:
+            query_offset = cache.get_query_offset(index)
+            kv_length, kv_offset = cache.get_mask_sizes(query_len, index)
+        except (TypeError, AttributeError, IndexError):  # another transformers version's cache
+            return {}
+        geometry[(int(query_len), int(kv_length))] = _Geometry(int(query_offset), int(kv_offset))
+    return geometry
 
 
 def _forward_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:

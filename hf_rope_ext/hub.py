@@ -154,8 +154,8 @@ def save_patched(
     """
     # A patch's generate raises config.max_position_embeddings while it runs (cache_consistency): a save
     # then would keep the extended context, and another thread's forward would read a half-written state.
-    with no_call_under_way(model, "save_patched", "it raises config.max_position_embeddings while it runs, which the "
-                           "checkpoint would keep"):  # fmt: skip
+    with no_call_under_way(model, "save_patched", "a generate call raises config.max_position_embeddings while it "
+                           "runs, which the checkpoint would keep"):  # fmt: skip
         return _save_patched(model, save_directory, tokenizer=tokenizer, card=card, card_assets=card_assets,
                              legacy_fields=legacy_fields, **save_kwargs)
 

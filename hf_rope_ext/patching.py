@@ -543,7 +543,7 @@ def no_call_under_way(model: nn.Module, function: str, consequence: str) -> Iter
     way on any thread: refused in one line (``RuntimeError``, saying ``consequence``) while one
     is, and another thread's call is refused until the block ends. A model without a patch, or
     with a static rotary-only one, has no calls to wait for."""
-    with _holding_the_patch(_patched_modules(model), function, consequence):
+    with _holding_the_patch(_patched_modules(model, function), function, consequence):
         yield
 
 

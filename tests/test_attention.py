@@ -1794,3 +1794,22 @@ def test_a_model_built_from_a_patched_models_config_is_refused(shared):
         assert torch.equal(patched_model(ids).logits, fresh(ids).logits)
         unpatch_model(patched_model)
         assert torch.equal(patched_model(ids).logits, unpatched(ids).logits)
+
+
+def test_data_parallel_replicas_share_the_patch():
+    """nn.DataParallel runs shallow replicas of the model's modules (torch.nn.parallel.replicate:
+    ``_replicate_for_data_parallel``), which share its patch: they are not a model built from its
+    config, and compute what the model computes (here replicated on the CPU as replicate does)."""
+
+    def replicate(module):
+        replica = module._replicate_for_data_parallel()
+        for name, child in module._modules.items():
+            replica._modules[name] = replicate(child)
+        for name, parameter in module._parameters.items():  # replicate broadcasts them; a copy here
+            replica._parameters[name] = None if parameter is None else parameter.detach().clone()
+        return replica
+
+    model = patch_model(make_model("llama", attn_implementation="sdpa"), scale=4, method="dual-chunk")
+    ids = random_ids(3 * L0)
+    with torch.no_grad():
+        assert torch.equal(replicate(model)(ids).logits, model(ids).logits)

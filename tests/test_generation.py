@@ -307,6 +307,49 @@ def test_static_cache_of_a_model_whose_masks_generate_builds(family, overrides, 
     assert generation_vs_full_forward(model, prompt, new_tokens=5, cache_implementation="static") < TOLERANCE
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_two_static_caches_decoded_side_by_side_with_masks_built_before_their_forwards(family):
+    """Masks built by the caller (a dict by layer type) for two static caches of one length, both
+    before either forward: the geometry the mask function recorded for the second overwrote the
+    first's (same shapes), and the first sequence's decode steps read the other cache's query slot
+    (errors ~0.08). The geometry of a call with such masks is read from its own cache. Each step
+    is checked against a full forward of that sequence, and the unpatched model's loop against its
+    own full forward (the reference loop is sound)."""
+    from transformers import StaticCache
+    from transformers.masking_utils import create_causal_mask
+
+    def worst_step(model, planned_context):
+        first, second = random_ids(2 * L0 - 10), random_ids(2 * L0 - 10, seed=5)
+
+        def masks(cache, position):
+            return {"full_attention": create_causal_mask(
+                config=model.config, inputs_embeds=torch.zeros(1, 1, model.config.hidden_size),
+                attention_mask=torch.ones(1, position + 1, dtype=torch.long), cache=cache,
+                position_ids=torch.tensor([[position]]))}  # fmt: skip
+
+        with torch.no_grad(), planned_context(model):
+            expected = model(first).logits
+            caches = [StaticCache(config=model.config, max_cache_len=2 * L0) for _ in range(2)]
+            start_first, start_second = L0 + 4, L0 - 6
+            model(input_ids=first[:, :start_first], cache=caches[0], use_cache=True)
+            model(input_ids=second[:, :start_second], cache=caches[1], use_cache=True)
+            worst = 0.0
+            for step in range(first.shape[1] - start_first):
+                here, there = start_first + step, start_second + step
+                built = masks(caches[0], here), masks(caches[1], there)
+                logits = model(input_ids=first[:, here:here + 1], position_ids=torch.tensor([[here]]), cache=caches[0],
+                               use_cache=True, attention_mask=built[0]).logits  # fmt: skip
+                model(input_ids=second[:, there:there + 1], position_ids=torch.tensor([[there]]), cache=caches[1],
+                      use_cache=True, attention_mask=built[1])  # fmt: skip
+                worst = max(worst, (logits[0, -1] - expected[0, here]).abs().max().item())
+        return worst
+
+    unpatched, model = make_model(family), make_model(family)
+    assert worst_step(unpatched, lambda _: contextlib.nullcontext()) < TOLERANCE
+    patch_model(model, scale=4)
+    assert worst_step(model, lambda each: planned_length(each, 2 * L0 - 10)) < TOLERANCE
+
+
 @pytest.mark.parametrize("planned", [True, False])
 def test_static_cache(planned):
     model = make_model("llama")

@@ -2041,3 +2041,10 @@ def test_runtime_notes_of_a_yarn_checkpoint_without_attn_factor(tmp_path, capsys
     assert cli_main(["runtimes", "--model-dir", str(folder)]) == 0
     out = capsys.readouterr().out
     assert holds not in out and "has no attn_factor" in out
+
+
+@pytest.mark.parametrize("not_a_model", ["model", None, 3])
+def test_save_patched_of_something_else_than_a_model_names_save_patched(tmp_path, not_a_model):
+    with pytest.raises(TypeError, match="^save_patched expects a torch.nn.Module"):
+        save_patched(not_a_model, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
