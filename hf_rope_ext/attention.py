@@ -1395,6 +1395,8 @@ class AttentionPatch:
     # (by a hook) would otherwise leave its own length to the outer one's remaining layers.
     forward_state: Any = None
     saved_lengths: list = field(default_factory=list)
+    # the cache geometry of each enclosing forward (a forward run by a hook inside another)
+    saved_geometries: list = field(default_factory=list)
     hooks: list = field(default_factory=list)  # the model's forward hooks (before_forward, after_forward)
     # the caches this patch filled, and where it left each (tokens, each row's last position)
     filled: FilledCaches = field(default_factory=FilledCaches)
@@ -1405,6 +1407,9 @@ class AttentionPatch:
     # copied from this model's, and is refused (see _check_caller).
     hooked_model: weakref.ref | None = None
     own_module_ids: frozenset = frozenset()
+    # ids of those modules' forward pre-hook tables: nn.DataParallel's replicas are shallow copies
+    # that share them (``_replicate_for_data_parallel``), a model built from the config does not
+    own_hook_tables: frozenset = frozenset()
 
     def __deepcopy__(self, memo: dict) -> AttentionPatch:
         # A copied model (copy.deepcopy, as TRL makes reference models) needs a patch and registry
@@ -1414,8 +1419,8 @@ class AttentionPatch:
         memo[id(self)] = copied
         # The copy starts with no forward under way: the original's count and per-forward state
         # (made while one of its forwards ran, or left by an interrupted one) are not the copy's.
-        fresh = {"forward_threads": ForwardThreads(), "geometry": {}, "positions_memo": _PositionMemo(), "saved_lengths": [],
-                 "frequencies_on": {}, "own_module_ids": frozenset(),
+        fresh = {"forward_threads": ForwardThreads(), "geometry": {}, "positions_memo": _PositionMemo(), "saved_lengths": [], "saved_geometries": [],
+                 "frequencies_on": {}, "own_module_ids": frozenset(), "own_hook_tables": frozenset(),
                  # the copy's hooks are the copied model's (copied along, already in memo: hooks are
                  # copied from the model's attributes, before its submodules)
                  "hooked_model": _copied_reference(self.hooked_model, memo)}
@@ -1458,20 +1463,27 @@ class AttentionPatch:
         """Refuse an attention module that is not part of the patched model: a model built from a copy
         of its config (``from_config(patched.config)``, a deepcopy of it) carries this patch's private
         name without being patched, and would run this model's state, not its own."""
-        # nn.DataParallel's replicas are shallow copies of the model's modules that share its patch
-        if id(module) in self.own_module_ids or getattr(module, "_is_replica", False):
+        if self._is_own(module):
             return
         model = None if self.hooked_model is None else self.hooked_model()
         if model is None:  # installed without a model (no hooks), or the model is gone: nothing to tell
             return
-        self.own_module_ids = frozenset(id(each) for each in model.modules())  # modules added since
-        if id(module) not in self.own_module_ids:
+        modules = list(model.modules())  # modules added since they were last read
+        self.own_module_ids = frozenset(id(each) for each in modules)
+        self.own_hook_tables = frozenset(id(each._forward_pre_hooks) for each in modules)
+        if not self._is_own(module):
             raise ValueError(
                 f"{type(module).__name__} is not part of the model patched as {self.name!r}: its model was built from "
                 "that patched model's config (or a copy), which carries this private attention name. Build it from the "
                 "original config (AutoConfig.from_pretrained, or the patched model's config after unpatch_model), then "
                 "patch it with patch_model."
             )
+
+    def _is_own(self, module: nn.Module) -> bool:
+        """One of the patched model's modules, or an nn.DataParallel replica of one."""
+        return id(module) in self.own_module_ids or (
+            getattr(module, "_is_replica", False) and id(module._forward_pre_hooks) in self.own_hook_tables
+        )
 
     def attention(self, module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """The attention function registered for this model (transformers' signature)."""
@@ -1655,7 +1667,9 @@ class AttentionPatch:
         """Count this thread's forward in; refuse it while another thread runs one of this model."""
         if self.forward_threads.enter(module) == 1:
             self.saved_lengths.clear()  # none can be under way: left by an interrupted forward
+            self.saved_geometries.clear()
         self.saved_lengths.append(getattr(self.forward_state, "current_length", None))
+        self.saved_geometries.append(dict(self.geometry))
         # a forward run inside another (by a hook) clears the outer one's memos too: it recomputes them
         self._forward_boundary(starting=True)
 
@@ -1668,8 +1682,12 @@ class AttentionPatch:
         if depth == 0:  # its start was refused
             return
         saved = self.saved_lengths.pop() if self.saved_lengths else None
+        geometry = self.saved_geometries.pop() if self.saved_geometries else {}
         if depth > 1 and self.forward_state is not None:  # the enclosing forward goes on at its own length
             self.forward_state.current_length = saved
+        if depth > 1:  # and with its own cache geometry (the inner forward's replaced it)
+            self.geometry.clear()
+            self.geometry.update(geometry)
         # memos off after every forward, an inner one (run by a hook) too: the outer one then
         # recomputes its remaining layers' positions, and a count left up by an interrupted
         # forward cannot keep them on

@@ -1809,7 +1809,13 @@ def test_data_parallel_replicas_share_the_patch():
             replica._parameters[name] = None if parameter is None else parameter.detach().clone()
         return replica
 
+    from transformers import AutoModelForCausalLM
+
     model = patch_model(make_model("llama", attn_implementation="sdpa"), scale=4, method="dual-chunk")
     ids = random_ids(3 * L0)
     with torch.no_grad():
         assert torch.equal(replicate(model)(ids).logits, model(ids).logits)
+        # a replica of a model built from the patched config is that model: refused as it is
+        built = AutoModelForCausalLM.from_config(model.config).eval()
+        with pytest.raises(ValueError, match="not part of the model patched as"):
+            replicate(built)(ids)

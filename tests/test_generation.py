@@ -350,6 +350,36 @@ def test_two_static_caches_decoded_side_by_side_with_masks_built_before_their_fo
     assert worst_step(model, lambda each: planned_length(each, 2 * L0 - 10)) < TOLERANCE
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_forward_run_by_a_hook_keeps_the_outer_forwards_cache_geometry(family):
+    """A hook that runs the model inside a prefill into a static cache (longer than its tokens):
+    the inner forward cleared the outer one's cache geometry, whose remaining layers then read
+    keys one slot off (errors ~0.5). Checked against the same prefill without the hook and a
+    forward without cache (the unpatched model's prefill is its own reference)."""
+    from transformers import StaticCache
+
+    ids, other = random_ids(L0 + 8), random_ids(L0 + 18, seed=2)
+    for patched_model in (False, True):
+        model = make_model(family, attn_implementation="sdpa")
+        if patched_model:
+            model = patch_model(model, scale=4)
+        calls = {"left": 0}
+
+        def run_once(*_):
+            if calls["left"]:
+                calls["left"] -= 1
+                model(other)
+
+        model.model.layers[0].register_forward_hook(run_once)
+        context = planned_length(model, ids.shape[1]) if patched_model else contextlib.nullcontext()
+        with torch.no_grad(), context:
+            expected = model(ids).logits
+            calls["left"] = 1
+            hooked = model(ids, cache=StaticCache(config=model.config, max_cache_len=2 * L0), use_cache=True).logits
+        assert calls["left"] == 0
+        torch.testing.assert_close(hooked, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
 @pytest.mark.parametrize("planned", [True, False])
 def test_static_cache(planned):
     model = make_model("llama")
