@@ -2035,6 +2035,7 @@ def test_no_progress_hides_the_loading_bar_for_that_call_only(tiny_checkpoint, c
     (dict(native_context=True), "native_context must be a positive integer, got True."),
     (dict(model_name=5), "model_name must be a non-empty string, got 5."),
     (dict(dtype=5), "dtype must be a string, got 5."),
+    (dict(native_context=torch.tensor(32.0)), "native_context must be a positive integer, got tensor(32.)."),
 ])  # fmt: skip
 def test_run_evaluation_refuses_arguments_its_records_could_not_hold(tmp_path, arguments, message):
     """A value the results' reader refuses would be written into every record, the run lost and the
@@ -2052,8 +2053,9 @@ def test_run_evaluation_refuses_arguments_its_records_could_not_hold(tmp_path, a
 
 def test_run_evaluation_writes_a_float_native_context_and_a_torch_dtype_as_its_reader_takes_them(tmp_path):
     """native_context=32.0 and dtype=torch.float32 (natural in Python) are recorded as 32 and as the
-    dtype run_evaluation names the model's own parameters with: the reader takes the records, and a
-    rerun finds every case done."""
+    command line names that dtype (fp32), as is the model's own dtype by default and torch's name
+    "float32": one dtype is one case, whoever runs it. The reader takes the records, and a rerun
+    under any of those spellings finds every case done."""
     model = make_model("llama")
     documents = {"doc": random_ids(80)[0]}
     plan = _plan(methods=["none", "yarn"], scales=[2.0])
@@ -2063,14 +2065,31 @@ def test_run_evaluation_writes_a_float_native_context_and_a_torch_dtype_as_its_r
     stored = read_results(tmp_path / "out")
     assert len(stored) == len(records) == 4
     assert all(type(r["native_context"]) is int and r["native_context"] == ORIGINAL_CONTEXT for r in stored)
-    assert {r["dtype"] for r in stored} == {r["dtype"] for r in default} == {"float32"}
+    assert {r["dtype"] for r in stored} == {r["dtype"] for r in default} == {"fp32"}
     counter = CallCounter(model)
-    run_evaluation(model, CharTokenizer(), plan, tmp_path / "out", documents=documents, progress=False,
-                   native_context=ORIGINAL_CONTEXT, dtype="float32")  # fmt: skip
+    for spelling in ("float32", "fp32", None):
+        run_evaluation(model, CharTokenizer(), plan, tmp_path / "out", documents=documents, progress=False,
+                       native_context=ORIGINAL_CONTEXT, dtype=spelling)  # fmt: skip
     assert counter.calls == 0 and len(read_results(tmp_path / "out")) == 4
 
 
-@pytest.mark.parametrize("where", ["folder", "above", "results"])
+def test_records_that_name_a_dtype_as_torch_does_are_read_under_the_command_lines_name(tmp_path):
+    """Earlier versions recorded run_evaluation's default dtype as "float32" where the command line
+    records "fp32": the same cases then ran again and results.md showed every table twice."""
+    model = make_model("llama")
+    documents = {"doc": random_ids(80)[0]}
+    plan = _plan(methods=["none", "yarn"], scales=[2.0])
+    run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False)
+    results = tmp_path / "results.jsonl"
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    results.write_text("".join(json.dumps({**line, "dtype": "float32"}) + "\n" for line in lines))
+    assert {record["dtype"] for record in read_results(tmp_path)} == {"fp32"}
+    counter = CallCounter(model)
+    run_evaluation(model, CharTokenizer(), plan, tmp_path, documents=documents, progress=False, dtype="fp32")
+    assert counter.calls == 0 and len(read_results(tmp_path)) == 4
+
+
+@pytest.mark.parametrize("where", ["folder", "above", "results", "results linked to itself"])
 def test_broken_symbolic_links_are_refused_before_the_model_loads(tmp_path, capsys, where):
     """An --output-dir that is a link to nothing, one under such a link, and a results.jsonl linked
     into a folder that does not exist: mkdir and open would fail only at the first append, after a
@@ -2078,9 +2097,10 @@ def test_broken_symbolic_links_are_refused_before_the_model_loads(tmp_path, caps
     from hf_rope_ext.evaluation.records import check_output_dir
 
     link = tmp_path / "link"
-    if where == "results":
+    if where in ("results", "results linked to itself"):
         link.mkdir()
-        (link / "results.jsonl").symlink_to(tmp_path / "missing" / "results.jsonl")
+        target = "results.jsonl" if where == "results linked to itself" else tmp_path / "missing" / "results.jsonl"
+        (link / "results.jsonl").symlink_to(target)
         output_dir, broken = link, link / "results.jsonl"
     else:
         link.symlink_to(tmp_path / "missing")

@@ -79,6 +79,8 @@ __all__ = [
 ]
 
 RESULTS_FILE = "results.jsonl"
+# One name per dtype in the records, the command line's (--dtype): torch's names read as these.
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 NONE_METHOD = "none"
 EXACT_STEPS = "exact"  # steps_per_doubling=None in patch_model: frequencies of the exact length
 
@@ -296,6 +298,16 @@ REPORT_FILES = ("summary.json", "results.csv", "results.md", "perplexity_by_posi
                 "retrieval_passkey.png", "retrieval_needle.png")  # fmt: skip
 
 
+def _links_to_a_file_to_make(path: Path) -> bool:
+    """Whether ``path`` is a symbolic link whose target, not made yet, can be created (a link that
+    loops never resolves: realpath stops in the loop)."""
+    try:
+        target = Path(os.path.realpath(path, strict=False))
+    except (OSError, ValueError):
+        return False
+    return not os.path.lexists(target) and target.parent.is_dir()
+
+
 def check_output_dir(output_dir: str | os.PathLike, *, append: bool = True, reports: bool = True) -> None:
     """Refuse, before any work (the model loads, the first forward), an output folder that the
     evaluation could not write: a file; a broken symbolic link (the folder, a folder above it, or a
@@ -312,7 +324,7 @@ def check_output_dir(output_dir: str | os.PathLike, *, append: bool = True, repo
     # write (mkdir: File exists; open: No such file), after the model loaded and a case ran. A
     # results.jsonl linked to a file not made yet is fine where that file can be made (append does).
     for entry in ((results,) if uses_results else ()) + (output_dir, *output_dir.parents):
-        if entry == results and Path(os.path.realpath(results)).parent.is_dir():
+        if entry == results and _links_to_a_file_to_make(results):
             continue
         if os.path.lexists(entry) and not entry.exists():
             what = f"--output-dir {output_dir} cannot be used: {entry}" if entry != results else str(results)
@@ -432,6 +444,8 @@ def load_records(path: str | os.PathLike, *, require_kind: bool = False) -> tupl
                 check_record(record, complete=require_kind)
             except ValueError as error:
                 raise EvaluationError(f"{path}:{number}: {error}; fix or remove that line.") from None
+        if record.get("dtype") in DTYPE_NAMES:  # torch's name, as run_evaluation wrote it before
+            record["dtype"] = DTYPE_NAMES[record["dtype"]]
         if require_kind:
             _check_one_content_per_name(record, path, number, first_content)
         records.append(record)

@@ -35,6 +35,7 @@ from .documents import check_documents, document_hash
 from .perplexity import bucket_perplexity, default_boundaries, document_tensors, sliding_window_perplexity
 from .plan import EvalPlan
 from .records import (
+    DTYPE_NAMES,
     EXACT_STEPS,
     NONE_METHOD,
     RECORD_FIELDS,
@@ -305,7 +306,10 @@ def _check_record_arguments(documents: Mapping[Any, Any], model_name: Any, dtype
     if isinstance(native_context, float) and native_context.is_integer():
         native_context = int(native_context)
     elif not isinstance(native_context, bool) and hasattr(native_context, "__index__"):
-        native_context = operator.index(native_context)
+        try:
+            native_context = operator.index(native_context)
+        except TypeError:  # a float tensor: refused below, in one line
+            pass
     perplexity_fields = RECORD_FIELDS["perplexity"]
     for argument, field, values in (("documents' names (its keys)", "document", list(documents)),
                                     ("model_name", "model", [model_name]), ("dtype", "dtype", [dtype]),
@@ -346,9 +350,12 @@ def run_evaluation(
     if native_context is None:
         native_context = int(model.config.max_position_embeddings)
     model_name = model_name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
-    if isinstance(dtype, torch.dtype):  # named as the default below names the model's own
+    # One name per dtype, the command line's (--dtype fp32/bf16/fp16): the dtype is part of a case's key.
+    if dtype is None:
+        dtype = next(model.parameters()).dtype
+    if isinstance(dtype, torch.dtype):
         dtype = str(dtype).replace("torch.", "")
-    dtype = dtype or str(next(model.parameters()).dtype).replace("torch.", "")
+    dtype = DTYPE_NAMES.get(dtype, dtype)
     native_context = _check_record_arguments(documents or {}, model_name, dtype, native_context)
     # Lists, arrays and (1, n) tensors as tokenizers return them: 1-D tensors from here on.
     documents = dict(zip(documents, document_tensors(list(documents.values())))) if documents else {}
