@@ -243,6 +243,15 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
 
 
 @contextlib.contextmanager
+def _hub_override_warnings_hidden() -> Iterator[None]:
+    """Without huggingface_hub's "Cannot disable/enable progress bars" warnings, given where
+    HF_HUB_DISABLE_PROGRESS_BARS overrides a switch (the variable keeps its priority)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Cannot (disable|enable) progress bars")
+        yield
+
+
+@contextlib.contextmanager
 def _progress_bars_hidden() -> Iterator[None]:
     """Hide transformers' progress bars ("Loading weights") and huggingface_hub's (downloads, which
     transformers switches with its own) inside the block, and put both settings back after it.
@@ -257,15 +266,13 @@ def _progress_bars_hidden() -> Iterator[None]:
     hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")
     transformers_shown = transformers_logging.is_progress_bar_enabled()
     hub_states = dict(hub_tqdm.progress_bar_states)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Cannot (disable|enable) progress bars")
+    with _hub_override_warnings_hidden():
         transformers_logging.disable_progress_bar()
     try:
         yield
     finally:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Cannot (disable|enable) progress bars")
-            if transformers_shown:
+        if transformers_shown:
+            with _hub_override_warnings_hidden():
                 transformers_logging.enable_progress_bar()
         hub_tqdm.progress_bar_states.clear()
         hub_tqdm.progress_bar_states.update(hub_states)

@@ -326,9 +326,6 @@ class ExtendedRotaryEmbedding(nn.Module):
         tolerance = (max(math.log(self.base), 0.0) + 8) * torch.finfo(torch.float32).eps
         return torch.allclose(inv_freq.detach().to("cpu", torch.float64), exact, rtol=tolerance, atol=0)
 
-    def _use_original_module(self) -> bool:
-        return self.original_module_exact
-
     # -- forward -----------------------------------------------------------------------------
 
     def _check_attention_patch(self) -> None:
@@ -355,7 +352,7 @@ class ExtendedRotaryEmbedding(nn.Module):
             if self.frequency_length is not None:
                 length = max(length, self.frequency_length)
             self.current_length = length
-            if length <= self.original_max_seq_len and self._use_original_module():
+            if length <= self.original_max_seq_len and self.original_module_exact:
                 # Inside the original context the method is the original RoPE: use the original
                 # module itself, so outputs are bitwise those of the unpatched model.
                 self._current, self.attention_scaling = self._frequencies_for_length(None), 1.0
@@ -367,7 +364,7 @@ class ExtendedRotaryEmbedding(nn.Module):
         else:
             if (
                 self.method.attention is not None
-                and self._use_original_module()
+                and self.original_module_exact
                 and int(position_ids.max()) < self.original_max_seq_len
             ):
                 # Attention-level methods that keep the trained frequencies: inside the original
