@@ -6,6 +6,11 @@ spellings (``--text_files``, ``--text-file``, ``--text_file``, any ``--x_y`` of 
 still parse as hidden aliases: they are option strings of the same action, so argparse treats
 them exactly like the dash spelling, and :class:`HelpFormatter` leaves them out of ``--help``.
 
+Each option is given once: :class:`ArgumentParser` (what :func:`argument_parser` returns, and
+what ``hf-rope-ext`` and its subcommands use) refuses one given twice under any of its spellings,
+where argparse would keep the last value and silently drop the first. Options meant to repeat
+(``action="append"``/``"extend"``, e.g. ``--text-files``, ``--param``) still repeat.
+
 Also here, so that entry points do not each keep a copy: the model alias map
 (:func:`model_label`) and the checks of optional backends (:func:`check_attention_backend`,
 :func:`check_device`).
@@ -23,6 +28,7 @@ from typing import Any
 
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
+    "ArgumentParser",
     "DTYPE_CHOICES",
     "HelpFormatter",
     "add_attn_implementation_argument",
@@ -67,9 +73,75 @@ class HelpFormatter(argparse.HelpFormatter):
         return super()._format_action_invocation(shown)
 
 
-def argument_parser(description: str | None = None, **kwargs: Any) -> argparse.ArgumentParser:
-    """An ``ArgumentParser`` whose help hides the alias spellings."""
-    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter, **kwargs)
+class _GivenOnce(argparse.Action):
+    """Mixin of the store actions: refuses an option (any spelling, or another option setting the
+    same ``dest``, such as ``--shuffle`` and ``--no-shuffle``) given a second time in one parse."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(parser, "_given_once", None)  # None: a parser other than ArgumentParser
+        if given is not None and self.option_strings:
+            if self.dest in given:
+                raise argparse.ArgumentError(None, _given_twice(self, option_string, values, *given[self.dest]))
+            given[self.dest] = (self, option_string)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _given_twice(action: argparse.Action, option: str, values: Any, first_action: argparse.Action,
+                 first_option: str) -> str:
+    """The refusal of ``option`` (with its parsed ``values``), given after ``first_option``."""
+    if first_action is not action:
+        return f"{first_option} and {option} set the same option; give one of them, once"
+    also = f" (first as {first_option})" if first_option != option else ""
+    if action.nargs in ("+", "*"):
+        hint = f", with all its values after it ({option} A B)"
+    elif action.nargs == 0:
+        hint = ""
+    elif isinstance(values, list) or "comma-separated" in (action.help or ""):  # a list option
+        hint = f"; for several values give one comma-separated list ({option} A,B)"
+    else:
+        hint = ""
+    return f"{option} given twice{also}; give it once{hint}"
+
+
+class _Store(_GivenOnce, argparse._StoreAction):  # argparse's own classes: it names them nowhere public
+    pass
+
+
+class _StoreConst(_GivenOnce, argparse._StoreConstAction):
+    pass
+
+
+class _StoreTrue(_GivenOnce, argparse._StoreTrueAction):
+    pass
+
+
+class _StoreFalse(_GivenOnce, argparse._StoreFalseAction):
+    pass
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but an option given twice (``--scales 2 --scales 4``, ``--output-dir a
+    --output_dir b``) is an ``error:`` (exit 2) naming it, not the last value silently winning.
+
+    Its store actions (``store``, ``store_const``, ``store_true``, ``store_false``) refuse a second
+    occurrence; ``append``, ``extend`` and ``count`` repeat as usual. Subcommand parsers made by
+    ``add_subparsers`` are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for name, action_class in ((None, _Store), ("store", _Store), ("store_const", _StoreConst),
+                                   ("store_true", _StoreTrue), ("store_false", _StoreFalse)):
+            self.register("action", name, action_class)
+
+    def parse_known_args(self, args=None, namespace=None):
+        # The options given in this parse: {dest: (action, spelling)}; a subcommand's parser keeps its own.
+        self._given_once: dict[str, tuple[argparse.Action, str]] = {}
+        return super().parse_known_args(args, namespace)
+
+
+def argument_parser(description: str | None = None, **kwargs: Any) -> ArgumentParser:
+    """An :class:`ArgumentParser` (each option given once) whose help hides the alias spellings."""
+    return ArgumentParser(description=description, formatter_class=HelpFormatter, **kwargs)
 
 
 def _non_empty(convert: type[str] | type[Path]) -> Any:
@@ -87,12 +159,13 @@ def _non_empty(convert: type[str] | type[Path]) -> Any:
 GIVEN_OPTIONS = "given_options"
 
 
-class _StoreAndRecord(argparse.Action):
-    """argparse's ``store``, which also adds the option's ``dest`` to the namespace's
-    ``given_options`` set: whether an option was given at all, even at its default value."""
+class _StoreAndRecord(_Store):
+    """``store`` (refusing a second occurrence under :class:`ArgumentParser`), which also adds the
+    option's ``dest`` to the namespace's ``given_options`` set: whether an option was given at
+    all, even at its default value."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
+        super().__call__(parser, namespace, values, option_string)
         given = getattr(namespace, GIVEN_OPTIONS, None)
         setattr(namespace, GIVEN_OPTIONS, (given or set()) | {self.dest})
 

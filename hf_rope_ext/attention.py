@@ -46,6 +46,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import uuid
 import weakref
 from dataclasses import dataclass, field, fields, replace
@@ -54,6 +55,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .cache_log import FilledCaches
 from .forward_threads import ForwardThreads
@@ -1299,6 +1301,16 @@ class _Geometry:
     key_offset: int
 
 
+@dataclass(frozen=True)
+class _ForwardContext:
+    """What one forward of the model decided for all its layers: whether the remap beyond the
+    settle length applies (read from the rotary module's length) and the cache geometry of its calls."""
+
+    serial: int  # which forward (AttentionPatch.forward_serial when it was read)
+    beyond_settle: bool
+    geometry: dict
+
+
 @dataclass
 class _PositionFacts:
     """What the layers read of one ``position_ids`` tensor: its largest position and the key
@@ -1397,6 +1409,11 @@ class AttentionPatch:
     saved_lengths: list = field(default_factory=list)
     # the cache geometry of each enclosing forward (a forward run by a hook inside another)
     saved_geometries: list = field(default_factory=list)
+    # The _ForwardContext of each forward, by the position_ids tensor its layers receive (weakly):
+    # gradient checkpointing recomputes a layer during backward with that forward's own arguments,
+    # after later forwards (an evaluation, another loss term) have set the length and geometry.
+    forward_contexts: WeakTensorKeyDictionary = field(default_factory=WeakTensorKeyDictionary)
+    forward_serial: int = 0  # counts the forwards started (a context of an earlier one is not reused inside a later one)
     hooks: list = field(default_factory=list)  # the model's forward hooks (before_forward, after_forward)
     # the caches this patch filled, and where it left each (tokens, each row's last position)
     filled: FilledCaches = field(default_factory=FilledCaches)
@@ -1420,6 +1437,7 @@ class AttentionPatch:
         # The copy starts with no forward under way: the original's count and per-forward state
         # (made while one of its forwards ran, or left by an interrupted one) are not the copy's.
         fresh = {"forward_threads": ForwardThreads(), "geometry": {}, "positions_memo": _PositionMemo(), "saved_lengths": [], "saved_geometries": [],
+                 "forward_contexts": WeakTensorKeyDictionary(),
                  "frequencies_on": {}, "own_module_ids": frozenset(), "own_hook_tables": frozenset(),
                  # the copy's hooks are the copied model's (copied along, already in memo: hooks are
                  # copied from the model's attributes, before its submodules)
@@ -1451,9 +1469,28 @@ class AttentionPatch:
         copies.append((inv_freq, inv_freq.to(device)))
         return copies[-1][1]
 
-    def _current_remap(self) -> tuple[PositionRemap | None, torch.Tensor, KeyRotationTables]:
-        """The remap of the current forward, the frequencies it rotates with, and its key tables."""
-        if self.remap_applies is None or self.remap_applies():
+    def _forward_context(self, position_ids: Any) -> _ForwardContext:
+        """The regime and cache geometry of the forward this attention call belongs to.
+
+        Inside a forward of the model they are read as that forward set them (once, at its first
+        layer). Outside one, a call with a forward's own ``position_ids`` tensor is that forward's
+        layer recomputed by gradient checkpointing during backward: it gets what its forward read,
+        not what later forwards left. Any other call (a layer run on its own) reads the current state.
+        """
+        keyed = isinstance(position_ids, torch.Tensor)
+        known = self.forward_contexts.get(position_ids) if keyed else None
+        inside = threading.get_ident() in self.forward_threads.depths
+        if known is not None and (known.serial == self.forward_serial or not inside):
+            return known
+        beyond = self.remap_applies is None or bool(self.remap_applies())
+        context = _ForwardContext(self.forward_serial, beyond, dict(self.geometry))
+        if keyed and inside:
+            self.forward_contexts[position_ids] = context
+        return context
+
+    def _current_remap(self, beyond_settle: bool) -> tuple[PositionRemap | None, torch.Tensor, KeyRotationTables]:
+        """The remap of a forward, the frequencies it rotates with, and its key tables."""
+        if beyond_settle:
             return self.remap_for(True), self.inv_freq, self.key_rotations
         if self.remap_below_settle is None:
             return None, self.inv_freq, self.key_rotations
@@ -1491,13 +1528,14 @@ class AttentionPatch:
         original = _attention_functions().get_interface(self.original_implementation, _eager_attention(module))
         position_ids = kwargs.get("position_ids")
         query_len, key_len = query.shape[2], key.shape[2]
-        geometry = self.geometry.get((query_len, key_len))
+        context = self._forward_context(position_ids)
+        geometry = context.geometry.get((query_len, key_len))
         if position_ids is None:
             first = geometry.query_offset if geometry is not None else key_len - query_len
             position_ids = torch.arange(first, first + query_len, device=query.device)[None]
         if position_ids.device != query.device:
             position_ids = position_ids.to(query.device)
-        remap, inv_freq, key_rotations = self._current_remap()
+        remap, inv_freq, key_rotations = self._current_remap(context.beyond_settle)
         inv_freq = self._frequencies_on(inv_freq, query.device)
         memo = self.positions_memo.of(position_ids)
         # Layers without RoPE (SmolLM3's no_rope_layers) have no positions to remap.
@@ -1665,6 +1703,7 @@ class AttentionPatch:
 
     def _start_forward(self, module: nn.Module) -> None:
         """Count this thread's forward in; refuse it while another thread runs one of this model."""
+        self.forward_serial += 1
         if self.forward_threads.enter(module) == 1:
             self.saved_lengths.clear()  # none can be under way: left by an interrupted forward
             self.saved_geometries.clear()

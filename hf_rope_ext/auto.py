@@ -8,9 +8,12 @@ forward, which is what a reader of a long document gets; ``objective="beyond"`` 
 positions beyond the native context. The numbers behind the choice are returned, logged as a
 table, and cached per model (a fingerprint of its config and weights) in
 ``$HF_ROPE_EXT_CACHE/auto/<fingerprint>.json``, so the same question is answered at once the
-next time. The question includes the model's fingerprint, weights dtype and attention
-implementation, so a shared ``cache_path`` never answers one model (or precision) with
-another's numbers::
+next time. The question includes the model's fingerprint, weights dtype, autocast state and
+attention implementation, so a shared ``cache_path`` never answers one model (or precision)
+with another's numbers; processes sharing the file take turns to write it. The candidates are
+measured in eval mode (no dropout) whatever the model's mode, which is put back afterwards.
+Candidates of user-registered methods are measured every time, never cached: the cache could
+not tell their numbers from those of another version of the method under the same name::
 
     from hf_rope_ext import patch_model
     ids = tokenizer(long_text, return_tensors="pt").input_ids[0]
@@ -60,7 +63,8 @@ __all__ = [
 OBJECTIVES = ("all", "beyond")
 CANDIDATE_SETS = ("all", "servable")
 # Bumped when the scoring changes, so cached choices made by other code are not reused.
-_SCORING_VERSION = 1
+# 2: measured in eval mode (version 1 measured a model in training mode with its dropout).
+_SCORING_VERSION = 2
 
 
 _BARE_WORD = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
@@ -105,23 +109,28 @@ def check_configurations(
     every check :func:`hf_rope_ext.patch_model` makes for this model (method, parameters, scale,
     attention implementation) fails here, in one ``ValueError`` that names the configuration,
     rather than after the forwards that came before it. ``"none"`` (the unpatched model) is not
-    patched. ``original_max_length`` as in ``patch_model``. Returns the parsed ``(method, params)``
-    pairs.
+    patched. Afterwards, also when a configuration is refused, the model has the patch it had
+    before (or none). ``original_max_length`` as in ``patch_model``. Returns the parsed
+    ``(method, params)`` pairs.
     """
-    from .patching import patch_model, unpatch_model
+    from .patching import _patch_to_put_back, _put_back, patch_model, unpatch_model
 
     if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
         raise ValueError(f"give at least one configuration 'method[:key=value,...]' ('none' = unpatched), got {texts!r}.")
+    previous = _patch_to_put_back(model)
     configurations = []
-    for text in texts:
-        method, params = parse_configuration(text)
-        if method != "none":
-            try:
-                patch_model(model, scale, method, original_max_length=original_max_length, **params)
-            except (ValueError, TypeError) as error:
-                raise ValueError(f"configuration {text!r}: {error}") from error
-            unpatch_model(model)
-        configurations.append((method, params))
+    try:
+        for text in texts:
+            method, params = parse_configuration(text)
+            if method != "none":
+                try:
+                    patch_model(model, scale, method, original_max_length=original_max_length, **params)
+                except (ValueError, TypeError) as error:
+                    raise ValueError(f"configuration {text!r}: {error}") from error
+                unpatch_model(model)
+            configurations.append((method, params))
+    finally:
+        _put_back(model, previous)  # patch_model started from the original model, dropping this patch
     return configurations
 
 
@@ -219,28 +228,36 @@ def _calibration_tensor(calibration_ids: Any) -> torch.Tensor:
         ids = ids[0]
     if ids.dim() != 1:
         raise ValueError(f"calibration_ids must be one sequence of token ids (1-D), got shape {tuple(ids.shape)}.")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    # an empty list becomes a float tensor: its problem is its length (_checked_length), not its type
+    if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool):
         raise TypeError(f"calibration_ids must be integer token ids, got dtype {ids.dtype}.")
     return ids.to(torch.long).cpu()
 
 
 def _checked_length(length: Any, available: int, original_length: int, target_length: int) -> int:
+    # The messages say "calibration length": the option is length= here, calibration_length= in
+    # patch_model and --length on the command line.
     if length is None:
+        if available <= original_length:
+            raise ValueError(
+                f"the calibration forward must be longer than the native context of {original_length} tokens to tell "
+                f"the candidates apart, and the calibration text has only {available} tokens. Give a longer one."
+            )
         length = min(available, target_length)
     elif isinstance(length, bool) or not isinstance(length, numbers.Integral):
-        raise TypeError(f"length must be a whole number of tokens, got {length!r}.")
+        raise TypeError(f"the calibration length must be a whole number of tokens, got {length!r}.")
     length = int(length)  # numpy and torch integers too
     if length <= original_length:
         raise ValueError(
             f"the calibration forward must be longer than the native context of {original_length} tokens to tell "
-            f"the candidates apart; got {length} tokens"
-            + (f" (the calibration text has {available})" if available <= original_length else "")
-            + ". Give a longer calibration text or a larger length=."
+            f"the candidates apart; got a calibration length of {length}. Give a larger one."
         )
     if length > available:
-        raise ValueError(f"length={length} but the calibration text has only {available} tokens.")
+        raise ValueError(f"calibration length {length}, but the calibration text has only {available} tokens.")
     if length > target_length:
-        raise ValueError(f"length={length} is beyond the target context of {target_length} tokens (scale x native).")
+        raise ValueError(
+            f"calibration length {length} is beyond the target context of {target_length} tokens (scale x native)."
+        )
     return length
 
 
@@ -371,15 +388,25 @@ def choose_configuration(
             native context only).
         cache: read and write the per-model cache; ``cache_path`` overrides its file, which must
             be missing or a cache written here (anything else is refused, never overwritten).
+            Candidate lists with a user-registered method are not cached.
+        progress: show a progress bar over the candidates.
+
+    The candidates are checked (as :func:`hf_rope_ext.patch_model` checks them, in the model's
+    own mode) before the cache is read, and measured in eval mode; the model is left in its
+    modes and with its patch.
     """
     from .evaluation.runner import model_fingerprint
-    from .patching import _rotary_target, get_patch_info, original_context_length, patch_model, unpatch_model
+    from .methods import is_builtin
+    from .patching import _patch_to_put_back, _put_back, _rotary_target, get_patch_info, original_context_length
+    from .patching import patch_model, unpatch_model
     from .spec import extended_length, resolve_scale
 
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r}: give {' or '.join(map(repr, OBJECTIVES))}.")
     if not isinstance(cache, bool):
         raise TypeError(f"cache must be True or False, got {cache!r}.")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False, got {progress!r}.")
     if cache and cache_path is not None and (problem := _not_a_cache(Path(cache_path))) is not None:
         raise ValueError(f"cache_path {cache_path} {problem}; it would be overwritten: give a new file name or the "
                          f"path of a cache written here.")  # fmt: skip
@@ -391,41 +418,61 @@ def choose_configuration(
             f"calibration_ids holds ids outside the model's vocabulary (0 .. {vocabulary - 1 if vocabulary else '?'}): "
             f"{int(ids.min())} .. {int(ids.max())}. Tokenize with the model's own tokenizer."
         )
-    previous = get_patch_info(model)
-    target = _rotary_target(model)  # unpatches, so the fingerprint and the scores start from the original model
+    previous = _patch_to_put_back(model)
+    modes: dict[nn.Module, bool] = {}
     try:
+        target = _rotary_target(model)  # unpatches, so the fingerprint and the scores start from the original model
+        # The caller's train/eval mode of every module, put back afterwards: the candidates are
+        # measured in eval mode (with dropout on the losses are noise).
+        modes = {module: module.training for module in model.modules()}
         original_length = original_context_length(target.config, original_max_length)
         resolved_scale = resolve_scale(scale, max_length, original_length)
         target_length = extended_length(original_length, resolved_scale)
         length = _checked_length(length, ids.numel(), original_length, target_length)
         configurations = candidate_configurations(candidates, original_length)
         ids = ids[:length]
-        # The model, its precision and its attention kernel are part of the question: the same
-        # weights in bf16 (whose fingerprint equals fp32's) or another model sharing cache_path
-        # must not be answered with these numbers.
+        # Every candidate is checked before the first forward, and before the cache is read: a
+        # cached answer must not name a method that is no longer registered. Checked in the
+        # caller's mode, as patch_model(method="auto") applies the choice in it.
+        user_methods = []
+        for configuration in configurations:
+            method, params = parse_configuration(configuration)
+            try:
+                patch_model(model, resolved_scale, method, original_max_length=original_length, **params)
+            except (ValueError, TypeError) as error:
+                raise type(error)(f"candidate {configuration!r}: {error}") from None
+            if not is_builtin(get_patch_info(model).method):
+                user_methods.append(configuration)
+            unpatch_model(model)
+        for module in modes:
+            module.training = False
+        # The model, its precision (weights and autocast) and its attention kernel are part of the
+        # question: the same weights in bf16 (whose fingerprint equals fp32's) or another model
+        # sharing cache_path must not be answered with these numbers.
         fingerprint = model_fingerprint(model)
         key_fields = {
             "scale": resolved_scale, "length": length, "original_length": original_length, "objective": objective,
             "candidates": configurations, "calibration_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
             "scoring_version": _SCORING_VERSION, "model_fingerprint": fingerprint,
             "dtypes": sorted({str(parameter.dtype) for parameter in model.parameters()}),
+            "autocast": _autocast_state(model), "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "attn_implementation": getattr(getattr(model, "config", None), "_attn_implementation", None),
         }  # fmt: skip
         key = json.dumps(key_fields, sort_keys=True)
-        path = _cache_file(fingerprint, cache_path) if cache else None
+        if cache and user_methods:
+            # A user-registered method's code can change under the same name; the key could not
+            # tell its numbers from those of the code that runs now.
+            (logger.warning if cache_path is not None else logger.info)(
+                "Not caching this calibration: %s use a user-registered method, whose code the cache cannot tell "
+                "apart from a later version under the same name; it is measured each time.", ", ".join(user_methods)
+            )  # fmt: skip
+        path = _cache_file(fingerprint, cache_path) if cache and not user_methods else None
         entries = _read_cache(path) if path is not None else {}
         if key in entries:
             choice = _choice_from_entry(entries[key], key_fields, path)
             if choice is not None:
                 logger.info("Calibration found in %s:\n%s", path, choice.table())
                 return choice
-        for configuration in configurations:  # every candidate's parameters checked before the first forward
-            method, params = parse_configuration(configuration)
-            try:
-                patch_model(model, resolved_scale, method, original_max_length=original_length, **params)
-            except (ValueError, TypeError) as error:
-                raise type(error)(f"candidate {configuration!r}: {error}") from None
-            unpatch_model(model)
         scores = []
         for configuration in tqdm(configurations, desc=f"auto: {length}-token calibration", disable=not progress):
             method, params = parse_configuration(configuration)
@@ -449,24 +496,55 @@ def choose_configuration(
             original_length=original_length, objective=objective, scores=tuple(scores),
             calibration_sha256=key_fields["calibration_sha256"], cache_path=None if path is None else str(path),
         )  # fmt: skip
-        if path is not None and cache_path is not None and (problem := _not_a_cache(path)) is not None:
-            # replaced by something else while measuring: the user's file is kept, the choice is not cached
-            logger.warning("Not writing the calibration cache %s: it %s now; this choice is not cached.", path, problem)
-        elif path is not None:
-            entries = _read_cache(path, report=False)  # again: another process may have added entries meanwhile
-            entries[key] = {"chosen": choice.chosen, "scores": [asdict(score) for score in scores]}
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(path, {"entries": entries})
-            except OSError as error:  # the measurements stand; only the cache is lost
-                logger.warning("Could not write the calibration cache %s (%s); this choice is not cached.", path, error)
+        if path is not None:
+            _write_cache_entry(path, key, {"chosen": choice.chosen, "scores": [asdict(score) for score in scores]},
+                               user_file=cache_path is not None)  # fmt: skip
         logger.info("Calibration:\n%s", choice.table())
         return choice
     finally:
-        if get_patch_info(model) is not None:
-            unpatch_model(model)
-        if previous is not None:
-            previous.apply(model)
+        for module, training in modes.items():
+            module.training = training
+        _put_back(model, previous)  # in the caller's mode: a new rotary module takes its mode
+
+
+def _autocast_state(model: nn.Module) -> dict[str, str | None]:
+    """The autocast dtype (None: off) for each device type the model computes on: a forward under
+    ``torch.autocast`` runs in that precision whatever the weights' dtype."""
+    device_types = {parameter.device.type for parameter in model.parameters()} - {"meta"}
+    for device in (getattr(model, "hf_device_map", None) or {}).values():  # accelerate's placement
+        if isinstance(device, int):  # a GPU index
+            device_types.add("cuda")
+        elif device != "disk":
+            device_types.add(torch.device(device).type)
+    state = {}
+    for device_type in sorted(device_types):
+        try:
+            enabled = torch.is_autocast_enabled(device_type)
+        except RuntimeError:  # a device type autocast does not know
+            enabled = False
+        state[device_type] = str(torch.get_autocast_dtype(device_type)) if enabled else None
+    return state
+
+
+def _write_cache_entry(path: Path, key: str, entry: dict[str, Any], *, user_file: bool) -> None:
+    """Add ``entry`` to the cache file, keeping the entries other processes wrote meanwhile."""
+    from .files import folder_lock
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Held from the re-read to the rename, so that another process's entry written in between
+        # is not lost; the folder is locked, as the file itself is replaced by the rename.
+        with folder_lock(path.parent, wait=True):
+            if user_file and (problem := _not_a_cache(path)) is not None:
+                # replaced by something else while measuring: the user's file is kept, the choice is not cached
+                logger.warning("Not writing the calibration cache %s: it %s now; this choice is not cached.", path,
+                               problem)  # fmt: skip
+                return
+            entries = _read_cache(path, report=False)
+            entries[key] = entry
+            atomic_write_json(path, {"entries": entries})
+    except OSError as error:  # the measurements stand; only the cache is lost
+        logger.warning("Could not write the calibration cache %s (%s); this choice is not cached.", path, error)
 
 
 # -- hf-rope-ext auto ------------------------------------------------------------------------------

@@ -216,9 +216,10 @@ class PrefixRecompute:
             self._warned_unplanned = True
             logger.warning(
                 "A forward continued the KV cache past the %d tokens its RoPE frequencies were chosen for, so the "
-                "cache of %d tokens is recomputed; without a planned length this happens at every further token. "
-                "Decode loops outside `generate` should announce their final length with "
-                "`hf_rope_ext.planned_length(model, n)`, or patch with steps_per_doubling=1.",
+                "cache of %d tokens is recomputed; without a planned length (a decode loop of your own, or `generate` "
+                "of a model other than the one patched) this happens at every further token. Announce the final "
+                "length with `hf_rope_ext.planned_length(model, n)`, generate through the model you patched, or patch "
+                "with steps_per_doubling=1.",
                 self._covered(log.effective_length),
                 log.width,
             )

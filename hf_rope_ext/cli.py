@@ -12,6 +12,8 @@ import importlib
 import logging
 import sys
 
+from .arguments import ArgumentParser  # each option given once
+
 # subcommand -> module providing add_parser(subparsers)
 SUBCOMMANDS = {
     "methods": "hf_rope_ext.cli",
@@ -38,7 +40,7 @@ def _list_methods(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-rope-ext", description="Extend the context of RoPE language models.")
+    parser = ArgumentParser(prog="hf-rope-ext", description="Extend the context of RoPE language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module_name in dict.fromkeys(SUBCOMMANDS.values()):

@@ -28,6 +28,7 @@ except ImportError as error:  # pragma: no cover - only on unsupported versions
         "pip install -U 'transformers>=5,<6'"
     ) from error
 
+from transformers import GenerationConfig  # noqa: E402
 from transformers.modeling_rope_utils import (  # noqa: E402
     ROPE_INIT_FUNCTIONS,  # noqa: F401  (the registry transformers reads; config_io adds our types to it)
     RotaryEmbeddingConfigMixin,
@@ -177,28 +178,60 @@ def output_cache(output: Any) -> Any:
     return None
 
 
-def planned_generation_length(model: Any, args: tuple, kwargs: dict) -> int | None:
-    """The sequence length a ``model.generate(*args, **kwargs)`` call can reach, or None if unknown.
+def planned_generation_length(model: Any, args: tuple, kwargs: dict) -> int:
+    """The sequence length a ``model.generate(*args, **kwargs)`` call can reach.
 
-    The prompt's width plus ``max_new_tokens``, else ``max_length`` (the total), each read as
-    transformers reads it: from the call, a ``generation_config`` passed to it, or the model's
-    own (``generation_config.json``), and ``max_new_tokens`` wins where both are set. Without either,
-    transformers' default (a few new tokens, capped at the context) is left unplanned: the
-    cache guard then follows the sequence as it grows, which is exact, only slower.
+    Resolved as transformers' ``generate`` resolves it (``_prepare_generation_config`` and
+    ``_prepare_generated_length``): each of ``max_new_tokens`` and ``max_length`` comes from the
+    call, else a ``generation_config`` passed to it, else the model's own; ``max_new_tokens`` wins.
+    Without either, transformers' default ``max_length`` (20) counts new tokens after the prompt,
+    capped at the ``config.max_position_embeddings`` the call reads: the patch's extended context,
+    which the planning ``generate`` puts there for the call (see ``cache_consistency``).
     """
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    widths = [tensor.shape[1] for tensor in (inputs, kwargs.get("inputs_embeds"))
-              if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2]
-    width = max(widths, default=0)
+    embeds = kwargs.get("inputs_embeds")
+    ids_width = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else 0
+    embeds_width = embeds.shape[1] if isinstance(embeds, torch.Tensor) and embeds.dim() >= 2 else None
     configs = [kwargs.get("generation_config"), getattr(model, "generation_config", None)]
 
     def setting(name: str) -> Any:
-        if kwargs.get(name) is not None:
+        if name in kwargs:  # generate sets the config from its keywords, None included
             return kwargs[name]
         return next((getattr(config, name) for config in configs if getattr(config, name, None) is not None), None)
 
-    max_new_tokens = setting("max_new_tokens")
+    max_new_tokens, max_length = setting("max_new_tokens"), setting("max_length")
+    # The generated ids start at ids_width (0 for inputs_embeds alone); embeddings in their place
+    # make the sequence the model sees that much longer.
+    extra = 0 if embeds_width is None else embeds_width - ids_width
     if max_new_tokens is not None:
-        return width + int(max_new_tokens)
-    max_length = setting("max_length")
-    return None if max_length is None else max(int(max_length), width)
+        final = ids_width + int(max_new_tokens)
+    elif max_length is not None:
+        final = int(max_length) - (embeds_width if extra else 0)
+    else:
+        final = _DEFAULT_MAX_LENGTH + ids_width
+        context = _context_during_generate(model)
+        if context is not None:
+            final = min(final, context)
+    return max(final + extra, ids_width + extra)
+
+
+def _default_max_length() -> int:
+    """transformers' default ``max_length`` (20): a class default from 5.x's ``_get_default_generation_params``,
+    an ``__init__`` default before it."""
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return int(defaults()["max_length"] if defaults is not None else GenerationConfig().max_length)
+
+
+_DEFAULT_MAX_LENGTH = _default_max_length()
+
+
+def _context_during_generate(model: Any) -> int | None:
+    """``config.max_position_embeddings`` as a planning ``generate`` call reads it: raised to the
+    patch's extended context for length-dependent patches, whose config keeps the original."""
+    from .patching import get_patch_info  # patching imports this module
+
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(context, int):
+        return None
+    spec = get_patch_info(model)
+    return context if spec is None else max(context, spec.extended_context)

@@ -29,7 +29,7 @@ INNER_ASIDE_PREFIX = ".hf_rope_ext.old-"
 # In the aside folder: the names a swap moves out and in, so that a swap killed half way is undone
 # by the next run (the aside folder may hold the only copy of the previous output).
 SWAP_JOURNAL = ".hf_rope_ext.swap.json"
-# A temporary folder that no running process holds (see _locked) is abandoned; one untouched for
+# A temporary folder that no running process holds (see folder_lock) is abandoned; one untouched for
 # this long is taken as abandoned where locks are not available.
 STALE_STAGING_SECONDS = 30 * 60
 # A folder just made by mkdtemp is locked right after; younger ones are left alone.
@@ -103,7 +103,7 @@ def give_umask_permissions(folder: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def _locked(folder: Path, *, wait: bool = False) -> Iterator[None]:
+def folder_lock(folder: Path, *, wait: bool = False) -> Iterator[None]:
     """Hold an advisory lock on ``folder`` while it is written, so that :func:`remove_abandoned`
     in another run tells it from one a killed run left (the kernel drops the lock of a dead
     process). ``wait``: wait for a run that holds it (else go on without it). No lock where the
@@ -185,7 +185,7 @@ def restore_interrupted_save(folder: str | os.PathLike) -> None:
             young = time.time() - aside.lstat().st_mtime
             if young < _LOCK_GRACE_SECONDS:  # made a moment ago: its run may not have locked it yet
                 time.sleep(_LOCK_GRACE_SECONDS - young)
-            with _locked(aside, wait=True):
+            with folder_lock(aside, wait=True):
                 if not (aside / SWAP_JOURNAL).is_file():
                     continue  # finished, undone by another load, or killed before it moved anything
                 _undo_swap(folder, aside)
@@ -287,7 +287,7 @@ def _swap_in(target: Path, staging: Path, keep: Callable[[str], bool] | None) ->
            and (name in new or keep is None or not keep(name))]  # fmt: skip
     aside = Path(tempfile.mkdtemp(prefix=INNER_ASIDE_PREFIX, dir=target))
     moved, placed = [], []
-    with _locked(aside):
+    with folder_lock(aside):
         try:
             # the journal first: a run killed during the renames is undone by the next one (_undo_swap)
             with open(aside / SWAP_JOURNAL, "w", encoding="utf-8") as journal:
@@ -359,7 +359,7 @@ def atomic_directory(path: str | os.PathLike, *, keep_existing: Callable[[str], 
     else:
         staging = staging_dir(target.parent, hidden_prefix(target.parent, target.name, ".staging-"))
     try:
-        with _locked(staging):
+        with folder_lock(staging):
             yield staging
             # Only what the block wrote gets the umask's permissions: the user's entries that stay
             # keep their modes (a 0600 token stays 0600).

@@ -29,6 +29,7 @@ The vLLM and llama.cpp settings of a patch are in :mod:`hf_rope_ext.runtimes` (`
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -79,6 +80,12 @@ _WEIGHT_PATTERNS = [
 ]  # fmt: skip
 _CARD = "README.md"
 _TOKENIZER_CONFIG = "tokenizer_config.json"
+# save_pretrained's arguments for its own push to the Hub: it would upload the staging folder from
+# inside save_pretrained, before save_patched completes and checks config.json (and delete no old
+# shards); without push_to_hub it ignores the others.
+_SAVE_PRETRAINED_PUSH_KWARGS = ("push_to_hub", "repo_id", "commit_message", "create_pr", "private", "token")
+# The repo ids a card's loading instructions name (model_card.md: load_patched("...") and from_pretrained("...")).
+_CARD_LOADED_REPO = re.compile(r'(?:load_patched|from_pretrained)\("([^"\n]+)"\)')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,6 +169,7 @@ def save_patched(
 
 def _save_patched(model: nn.Module, save_directory: str | os.PathLike, *, tokenizer: Any, card: Any,
                   card_assets: Any, legacy_fields: bool, **save_kwargs: Any) -> Path:
+    _refuse_push_kwargs(save_kwargs)
     if hasattr(model, "peft_config"):
         raise ValueError(
             "This is a peft model: saving it would store the adapter only. Merge it first "
@@ -252,6 +260,16 @@ def _save_patched(model: nn.Module, save_directory: str | os.PathLike, *, tokeni
     return target
 
 
+def _refuse_push_kwargs(save_kwargs: dict) -> None:
+    given = [key for key in _SAVE_PRETRAINED_PUSH_KWARGS if key in save_kwargs]
+    if given:
+        raise ValueError(
+            f"save_patched saves to a folder and does not take {', '.join(given)} (save_pretrained would push the "
+            "unfinished folder itself); to upload, call hf_rope_ext.hub.push_patched_to_hub(model, repo_id, ...), "
+            "which takes token=, private=, commit_message= and create_pr=."
+        )
+
+
 def _names_a_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` (``~`` expanded) is a file; text that cannot be a path (too long a name, a
     ``~word`` that is no user) is not one."""
@@ -319,17 +337,22 @@ def _scale_text(scale: Any) -> str:
     return f"{scale:g}" if is_finite(scale) else repr(scale)
 
 
-def _check_card_patch(card_text: str, recorded: PatchSpec) -> None:
-    """Refuse a card hf_rope_ext rendered for another patch than the one being saved."""
+def _card_metadata(card_text: str) -> Any:
+    """The metadata block of a card's text, as metadata_load reads it; None where it has none or
+    one that is not YAML (a card of the user's own, in whatever form: not ours to judge)."""
     import yaml
-    from huggingface_hub.repocard import REGEX_YAML_BLOCK  # the metadata block, as metadata_load finds it
+    from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
     block = REGEX_YAML_BLOCK.search(card_text)
     try:
-        metadata = yaml.safe_load(block.group(2)) if block else None
-    except yaml.YAMLError:  # a card of the user's own, in whatever form: not ours to judge
-        return
-    described = _card_patch(metadata)
+        return yaml.safe_load(block.group(2)) if block else None
+    except yaml.YAMLError:
+        return None
+
+
+def _check_card_patch(card_text: str, recorded: PatchSpec) -> None:
+    """Refuse a card hf_rope_ext rendered for another patch than the one being saved."""
+    described = _card_patch(_card_metadata(card_text))
     if described == {}:
         logger.warning(
             "The card given is an hf-rope-ext card that does not name its patch (rendered by an older version), so "
@@ -341,6 +364,26 @@ def _check_card_patch(card_text: str, recorded: PatchSpec) -> None:
             f"{recorded.label} x{recorded.scale:g} checkpoint; pass card=hf_rope_ext.model_card.render_model_card("
             "model, ...)[0] for this model. Nothing was written."
         )
+
+
+def _card_for_repo(card: Any, repo_id: str) -> Any:
+    """``card`` for a push to ``repo_id``: an hf_rope_ext card whose loading instructions name
+    another repository is refused, and one rendered without ``repo_id`` gets it in place of the
+    placeholder path. A card of the user's own (no ``hf-rope-ext`` tag) is pushed as given."""
+    from .model_card import CARD_PLACEHOLDER_REPO
+
+    text = _card_text(card)
+    if _card_patch(_card_metadata(text)) is None:
+        return card
+    named = sorted(set(_CARD_LOADED_REPO.findall(text)) - {repo_id, CARD_PLACEHOLDER_REPO})
+    if named:
+        raise ValueError(
+            f"card= was rendered for the repository {named[0]!r}, not {repo_id!r} (its loading instructions name it); "
+            f"render it with render_model_card(model, ..., repo_id={repo_id!r}). Nothing was pushed."
+        )
+    if CARD_PLACEHOLDER_REPO not in text:
+        return card
+    return text.replace(CARD_PLACEHOLDER_REPO, repo_id)
 
 
 def _card_assets(card_assets: Any) -> list[Path]:
@@ -445,24 +488,47 @@ def push_patched_to_hub(
 ):
     """:func:`save_patched` into a temporary folder, then upload it as one commit.
 
-    ``api`` defaults to ``huggingface_hub.HfApi()``; the repository is created if missing.
+    ``api`` defaults to ``huggingface_hub.HfApi()``; the repository is created if missing, and
+    so is the branch ``revision`` names (as transformers' ``push_to_hub`` does).
     Weight files an earlier push left in the repository (``model*.safetensors``, shard
     indexes, ``pytorch_model*.bin``, adapter files) are deleted in the same commit, as
     :func:`save_patched` does locally; other files (a README, tokenizer files) are overwritten
-    by the new ones where given and otherwise left. Returns the ``CommitInfo`` of the upload.
+    by the new ones where given and otherwise left: without ``tokenizer=``, the repository's
+    ``tokenizer_config.json`` keeps its ``model_max_length`` (a warning says so). A card
+    hf_rope_ext rendered for another repository is refused; one rendered without ``repo_id``
+    gets ``repo_id`` in its loading instructions. Returns the ``CommitInfo`` of the upload.
     """
+    if "push_to_hub" in save_kwargs:
+        raise ValueError(
+            "push_patched_to_hub uploads the checked folder itself; leave out push_to_hub (save_pretrained would push "
+            "the unfinished one)."
+        )
+    recorded = _recorded_patch(model)
+    if card is not None:
+        card = _card_for_repo(card, repo_id)
     if api is None:
         from huggingface_hub import HfApi
 
         api = HfApi()
-    recorded = _recorded_patch(model)
     message = commit_message or (
         f"Upload {recorded.method} x{recorded.scale:g} patched model "
         f"({recorded.original_max_position_embeddings} -> {recorded.extended_context} tokens) with hf-rope-ext"
     )
     with tempfile.TemporaryDirectory(prefix="hf_rope_ext-push-") as folder:
         save_patched(model, folder, tokenizer=tokenizer, card=card, card_assets=card_assets, **save_kwargs)
+        if tokenizer is None:
+            # A local save raises the limit of a tokenizer_config.json already in the folder; the
+            # repository's copy is not read here, so a limit an earlier push left below the new
+            # context would stay (vLLM caps its length by it).
+            logger.warning(
+                "Pushing without tokenizer=: a tokenizer_config.json already in %s keeps its model_max_length, which "
+                "vLLM caps the length by; pass tokenizer= to upload one raised to the extended context %d.",
+                repo_id, recorded.extended_context,
+            )  # fmt: skip
         api.create_repo(repo_id, token=token, private=private, exist_ok=True)
+        if revision is not None and not revision.startswith("refs/pr/"):
+            # A commit to a branch that does not exist is refused (transformers' push_to_hub does the same).
+            api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
         return api.upload_folder(
             repo_id=repo_id,
             folder_path=folder,
@@ -533,6 +599,14 @@ def restore_patch(model: nn.Module) -> nn.Module:
 
 
 _CONFIG_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+# Keyword arguments from_pretrained uses itself even where the config has an attribute of the name.
+_FROM_PRETRAINED_OWN = (*_CONFIG_KWARGS, "dtype", "torch_dtype", "quantization_config")
+# Config fields the hf_rope_ext record is checked against (config_io.verify_record), or that set
+# the rotary dimension it was computed for.
+_ROPE_FIELDS = (
+    config_io.RECORD_ATTRIBUTE, "rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings",
+    "original_max_position_embeddings", "partial_rotary_factor", "head_dim",
+)
 
 
 def read_checked_config(name_or_path: str | os.PathLike, **config_kwargs: Any):
@@ -551,10 +625,13 @@ def read_checked_config(name_or_path: str | os.PathLike, **config_kwargs: Any):
             f"{name_or_path} is a file; pass the checkpoint folder that holds it ({Path(name_or_path).parent})."
         )
     check_hub_model(str(name_or_path), **config_kwargs)
-    folder = Path(name_or_path) / config_kwargs.get("subfolder", "")
+    subfolder = config_kwargs.get("subfolder") or ""
+    folder = Path(name_or_path) / subfolder
     if Path(name_or_path).is_dir() and not (folder / "config.json").is_file():
+        if subfolder and not folder.is_dir():
+            raise FileNotFoundError(f"{name_or_path} has no subfolder {subfolder!r}; check subfolder=.")
         raise FileNotFoundError(
-            f"{name_or_path} has no config.json, so it is not a checkpoint folder (one written by save_patched or "
+            f"{folder} has no config.json, so it is not a checkpoint folder (one written by save_patched or "
             "save_pretrained)."
         )
     if (folder / "config.json").is_file():
@@ -585,25 +662,56 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
     an edited or corrupt config.json is refused with an error naming the contradiction.
     With ``restore=True`` (default) the patch is rebuilt with :func:`restore_patch`;
     ``restore=False`` returns what ``from_pretrained`` built. A checkpoint without a record
-    loads as plain transformers loads it. Other keyword arguments go to ``from_pretrained``.
+    loads as plain transformers loads it. ``config=`` may be a ``PretrainedConfig`` or the
+    folder or Hub id of one, read and checked like the checkpoint's own. Keyword arguments
+    that are config attributes (``use_cache=False``) are set on that config, as
+    ``from_pretrained`` does; those that would change the RoPE fields the record describes
+    (``rope_parameters``, ``max_position_embeddings``, ...) are refused. Other keyword
+    arguments go to ``from_pretrained``.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, PretrainedConfig
 
     from .loading import expand_home
 
     name_or_path = expand_home(name_or_path)
     restore_interrupted_save(name_or_path)  # a save killed half way leaves neither version until then
-    config = from_pretrained_kwargs.pop("config", None)
-    if config is None:
-        config_kwargs = {key: from_pretrained_kwargs[key] for key in _CONFIG_KWARGS if key in from_pretrained_kwargs}
-        config = read_checked_config(name_or_path, **config_kwargs)
+    model_kwargs = dict(from_pretrained_kwargs)
+    config = model_kwargs.pop("config", None)
+    config_kwargs = {key: model_kwargs[key] for key in _CONFIG_KWARGS if key in model_kwargs}
+    if config is None or isinstance(config, (str, os.PathLike)):
+        config = read_checked_config(name_or_path if config is None else expand_home(config), **config_kwargs)
+    elif isinstance(config, PretrainedConfig):
+        config = copy.deepcopy(config)  # the overrides below are for this load, not the caller's object
+    else:
+        raise TypeError(
+            f"config must be a PretrainedConfig or the folder or Hub id of one, got {type(config).__name__}."
+        )
     recorded = config_io.verify_record(config)
-    # Without a record there is nothing to restore: from_pretrained's own warnings (an
-    # attention-level rope_type it rebuilds the frequencies of only) must reach the user.
-    with config_io.restoring_patch() if restore and recorded is not None else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, **from_pretrained_kwargs)
+    changed_rope = [key for key in model_kwargs if key in _ROPE_FIELDS]
+    if recorded is not None and changed_rope:
+        raise ValueError(
+            f"load_patched({', '.join(f'{key}=...' for key in changed_rope)}) would change the RoPE fields that the "
+            f"checkpoint's {recorded.label} x{recorded.scale:g} record describes; load it without them, then "
+            "unpatch_model(model) and patch_model(model, ...) for another patch."
+        )
+    # from_pretrained sets the keyword arguments that are config attributes on a config it reads
+    # itself, and passes all of them to the model's __init__ (a TypeError) with config= given.
+    for key in [key for key in model_kwargs if key not in _FROM_PRETRAINED_OWN and hasattr(config, key)]:
+        setattr(config, key, model_kwargs.pop(key))
+    # Without a record, from_pretrained's own warning (an attention-level rope_type whose frequencies
+    # only it rebuilds) must reach the user. With one, that warning names load_patched: restore
+    # rebuilds the attention, and restore=False gets the warning below, which names the fix.
+    with config_io.restoring_patch() if recorded is not None else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, **model_kwargs)
     if recorded is None:
         logger.info("%s has no hf_rope_ext record; loaded as transformers reads it.", name_or_path)
     elif restore:
         restore_patch(model)
+    elif recorded.rope_method.attention is not None or recorded.logn_attention:
+        logger.warning(
+            "%s holds the attention-level patch %r; with restore=False, transformers' rotary module rebuilds its "
+            "frequencies only, so inputs beyond %d tokens are not read as patched. Call "
+            "hf_rope_ext.hub.restore_patch(model) on it, or load with restore=True.",
+            name_or_path, recorded.label, recorded.original_max_position_embeddings,
+        )  # fmt: skip
     return model

@@ -185,6 +185,14 @@ def check_hub_model(name: str, *, revision: str | None = None, token: Any = None
     if isinstance(cached, str):  # transformers reads it from the cache, with or without a connection
         return
     if local_files_only or constants.is_offline_mode():
+        at_default = revision is not None and isinstance(
+            try_to_load_from_cache(name, "/".join(filter(None, (subfolder, "config.json"))), cache_dir=cache_dir), str
+        )
+        if at_default:  # the model is there, at another revision: the revision is what to check
+            raise FileNotFoundError(
+                f"The Hub cache has {name!r}, but not at revision {revision!r} (offline: HF_HUB_OFFLINE or "
+                "local_files_only). Check revision=, or download that revision with a connection."
+            )
         raise FileNotFoundError(
             f"{where}, and it is not in the Hub cache (offline: HF_HUB_OFFLINE or local_files_only). Check the path, "
             "or download it with a connection."
@@ -193,7 +201,11 @@ def check_hub_model(name: str, *, revision: str | None = None, token: Any = None
         HfApi().model_info(name, revision=revision, token=token)
     except GatedRepoError:  # it exists; transformers says how to get access
         return
-    except (RepositoryNotFoundError, RevisionNotFoundError):
+    except RevisionNotFoundError:  # the model exists; only the revision is missing
+        raise FileNotFoundError(
+            f"The Hub model {name!r} has no revision {revision!r} (a branch, tag or commit). Check revision=."
+        ) from None
+    except RepositoryNotFoundError:
         raise FileNotFoundError(
             f"{where}, and the Hub has no model {name!r} (or it is private: log in or pass token=). Check the path."
         ) from None

@@ -25,7 +25,9 @@ Frequencies are computed in float64 here; the rotary module casts them once, to 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
+import inspect
 import math
 import numbers
 import re
@@ -736,6 +738,9 @@ def register_method(
     saved with it load through ``from_pretrained`` in any process that registered it. Names hold
     letters, digits, ``_``, ``.`` and ``-``. Raises ``ValueError`` if the name is taken (call
     :func:`unregister_method` first to replace a user method; built-in methods cannot be replaced).
+    The keys of ``defaults`` are the parameters' names: identifiers, other than the keywords
+    ``patch_model``, ``PatchSpec.create`` and ``runtime_settings`` take themselves (``scale``,
+    ``method``, ``rope_theta``, ...), which could never reach the method.
     """
     if not isinstance(name, str) or not name or name != name.strip():
         raise ValueError(f"Method name must be a non-empty string without surrounding spaces, got {name!r}.")
@@ -759,9 +764,21 @@ def register_method(
     if not callable(compute):
         raise TypeError(f"compute must be callable, got {type(compute).__name__}.")
     defaults = {key: value if value is REQUIRED else plain_value(value) for key, value in dict(defaults or {}).items()}
+    for key in defaults:
+        if not isinstance(key, str) or not key.isidentifier():
+            # given as keywords (patch_model(..., key=value)) and as `--param key=value` on command lines
+            raise TypeError(
+                f"defaults keys are parameter names, so identifier strings such as 'beta_fast'; got {key!r}."
+            )
     clash = set(defaults) & set(COMMON_PARAMS)
     if clash:
         raise ValueError(f"defaults must not contain {sorted(clash)}: these are set from scale/max_length.")
+    clash = set(defaults) & set(_reserved_keywords())
+    if clash:
+        raise ValueError(
+            f"defaults must not contain {sorted(clash)}: patch_model (or PatchSpec.create, runtime_settings) takes "
+            "keywords of these names itself, so the parameter could never be given; rename it."
+        )
     for key, value in defaults.items():
         if value is not REQUIRED:
             _check_json(value, f"defaults[{key!r}]")
@@ -861,7 +878,7 @@ def resolve_params(method: RopeMethod, rotary_dim: int | None, user_params: Mapp
     if unknown:
         hints = []
         for key in unknown:
-            close = difflib.get_close_matches(key, list(method.defaults) + list(_PATCH_KEYWORDS), n=1)
+            close = difflib.get_close_matches(key, list(method.defaults) + list(_patch_keywords()), n=1)
             hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         valid = ", ".join(method.defaults) or "none"
         raise ValueError(
@@ -931,8 +948,29 @@ def plain_value(value: Any) -> Any:
     return value
 
 
-# Keyword arguments of patch_model, for "did you mean" hints on misspelled parameters.
-_PATCH_KEYWORDS = ("scale", "max_length", "original_max_length", "method", "steps_per_doubling", "logn_attention")
+def _keywords_of(*functions: Callable[..., Any]) -> tuple[str, ...]:
+    names = (parameter.name for function in functions for parameter in inspect.signature(function).parameters.values()
+             if parameter.kind is not parameter.VAR_KEYWORD)  # fmt: skip
+    return tuple(dict.fromkeys(names))
+
+
+@functools.cache
+def _patch_keywords() -> tuple[str, ...]:
+    """patch_model's own keywords (scale, method, ...), for "did you mean" hints on misspelled parameters."""
+    from .patching import patch_model  # patching imports this module
+
+    return tuple(name for name in _keywords_of(patch_model) if name != "model")
+
+
+@functools.cache
+def _reserved_keywords() -> tuple[str, ...]:
+    """The keywords of the functions that also take a method's parameters as ``**params``: a method
+    parameter of one of these names could not be passed to them."""
+    from .patching import patch_model
+    from .runtimes import runtime_settings
+    from .spec import PatchSpec
+
+    return _keywords_of(patch_model, PatchSpec.create, runtime_settings)
 
 
 def _attention():

@@ -46,6 +46,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MISSING = "—"
 # The card metadata entry naming the patch a card describes (read by hf_rope_ext.hub.save_patched).
 CARD_PATCH_KEY = "hf_rope_ext"
+# what the loading instructions name when no repo_id is given (push_patched_to_hub puts its repo id there)
+CARD_PLACEHOLDER_REPO = "path/to/this/checkpoint"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -571,7 +573,7 @@ def render_model_card(
             card_data,
             template_path=str(template),
             model_name=name,
-            repo_id=repo_id or "path/to/this/checkpoint",
+            repo_id=repo_id or CARD_PLACEHOLDER_REPO,
             base_model=base_model,
             method=method.name,
             method_summary=_cell(list_methods().get(method.name, "")),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -223,7 +224,8 @@ def patch_model(
 
     ``method="auto"`` measures candidate configurations on a calibration text and applies the
     best (:mod:`hf_rope_ext.auto`); it takes ``calibration_ids`` (required), ``candidates``,
-    ``objective``, ``calibration_length`` and ``cache`` instead of method parameters, and the
+    ``objective``, ``calibration_length``, ``cache``, ``cache_path`` and ``progress`` (as
+    :func:`hf_rope_ext.auto.choose_configuration`) instead of method parameters, and the
     patch it leaves (``get_patch_info``, saved configs) names the method it chose.
 
     The model gets its own copy of its config, updated to describe the patch (see
@@ -261,13 +263,7 @@ def patch_model(
 def _keeping_the_patch_on_error(model: nn.Module) -> Iterator[None]:
     """Re-patching starts from the original model; if the new patch is refused (a bad scale or
     parameter, checked only then), the model gets its previous patch back, not none."""
-    previous = get_patch_info(model)
-    if previous is not None and previous.method not in list_methods():
-        # Its frequencies could not be rebuilt if the new patch were refused.
-        raise ValueError(
-            f"This model is patched with method {previous.method!r}, which has been unregistered; register it again "
-            "(hf_rope_ext.register_method) or call unpatch_model(model) first."
-        )
+    previous = _patch_to_put_back(model)
     try:
         yield
     except BaseException:
@@ -276,8 +272,30 @@ def _keeping_the_patch_on_error(model: nn.Module) -> Iterator[None]:
         raise
 
 
+def _patch_to_put_back(model: nn.Module) -> PatchSpec | None:
+    """The model's patch (None: none), for a caller that patches it otherwise and then puts it back."""
+    previous = get_patch_info(model)
+    if previous is not None and previous.method not in list_methods():
+        # Its frequencies could not be rebuilt once another patch replaced it.
+        raise ValueError(
+            f"This model is patched with method {previous.method!r}, which has been unregistered; register it again "
+            "(hf_rope_ext.register_method) or call unpatch_model(model) first."
+        )
+    return previous
+
+
+def _put_back(model: nn.Module, previous: PatchSpec | None) -> None:
+    """Leave ``model`` with the patch ``previous`` (from :func:`_patch_to_put_back`; None: none)
+    after other patches were tried on it. Not refused in training mode: the model had it."""
+    if _patched_modules(model):
+        _unpatch(model, "patch_model")
+    if previous is not None:
+        _install(model, _rotary_target(model), previous, restoring=True)
+
+
 _AUTO_OPTIONS = {"calibration_ids": "calibration_ids", "candidates": "candidates", "objective": "objective",
-                 "calibration_length": "length", "cache": "cache", "progress": "progress"}  # fmt: skip
+                 "calibration_length": "length", "cache": "cache", "cache_path": "cache_path",
+                 "progress": "progress"}  # fmt: skip
 
 
 def _patch_auto(model, scale, max_length, original_max_length, steps_per_doubling, logn_attention, options):
@@ -285,9 +303,11 @@ def _patch_auto(model, scale, max_length, original_max_length, steps_per_doublin
 
     unknown = sorted(set(options) - set(_AUTO_OPTIONS))
     if unknown:
+        misspelt = {name: difflib.get_close_matches(name, _AUTO_OPTIONS, n=1) for name in unknown}
+        advice = " ".join(f"Did you mean {close[0]} (not {name})?" for name, close in misspelt.items() if close)
         raise ValueError(
             f"method='auto' chooses the method's parameters itself; it takes {', '.join(_AUTO_OPTIONS)}, "
-            f"not {', '.join(unknown)}. Name a method to set its parameters."
+            f"not {', '.join(unknown)}. " + (advice or "Name a method to set its parameters.")
         )
     if steps_per_doubling is not NOT_GIVEN or logn_attention not in (None, False):
         raise ValueError(

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .methods import COMMON_PARAMS, LOGN_SUFFIX, RopeMethod, get_method, plain_value, resolve_params
+from .methods import COMMON_PARAMS, LOGN_SUFFIX, RopeMethod, _check_json, get_method, plain_value, resolve_params
 from .validation import MAX_CONTEXT, check_context, check_length, check_scale, check_steps, is_finite
 
 logger = logging.getLogger(__name__)
@@ -143,6 +143,35 @@ def method_spec(method: str, logn_attention: bool) -> str:
     return method + LOGN_SUFFIX if logn_attention else method
 
 
+def _hashable(value: Any) -> Any:
+    """``value`` (a JSON-like parameter) as a hashable equal-for-equal form: lists become tuples,
+    mappings frozensets of items (so ``{"a": 2}`` and ``{"a": 2.0}``, equal, hash alike)."""
+    if isinstance(value, Mapping):
+        return frozenset((key, _hashable(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(item) for item in value)
+    return value
+
+
+class _ReadOnlyDict(dict):
+    """A spec's ``params`` / ``kept``: a plain dict to read (JSON, ``==``, ``**``), refusing edits,
+    so that a spec handed out (``get_patch_info``) cannot change, and it can be hashed."""
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "A PatchSpec is read-only; make a changed one with dataclasses.replace(spec, params={...}) or "
+            "PatchSpec.create (dict(spec.params) is an editable copy)."
+        )
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
+
+    def __hash__(self) -> int:
+        return hash(_hashable(self))
+
+    def __reduce__(self):  # pickle and deepcopy: rebuild from the items (setting them one by one is refused)
+        return type(self), (dict(self),)
+
+
 class RecordError(ValueError):
     """A patch record (``config.hf_rope_ext``, ``rope_patch.json``) that cannot be read; ``problem``
     completes the sentence "the record ..."."""
@@ -160,38 +189,48 @@ class PatchSpec:
     """One patch: everything :func:`hf_rope_ext.patch_model` needs to apply it again, exactly.
 
     Attributes:
-        method: registered method name (without a ``+logn`` suffix: see ``logn_attention``).
-        scale: the context multiplier (> 1).
+        method: registered method name; a ``+logn`` suffix given here is stored as
+            ``logn_attention=True`` (the field holds the bare name).
+        scale: the context multiplier (> 1), ``L0 * scale`` a whole number of tokens.
         original_max_position_embeddings: the context the model was trained on (``L0``).
-        params: the method's own parameters, defaults filled in (plain JSON values).
+        params: the method's own parameters, defaults filled in (plain JSON values; read-only).
         steps_per_doubling: length-dependent methods only: None uses the frequencies of the
             exact length, n rounds lengths up to ``L0 * 2 ** (k / n)``. Always None for static
             methods.
-        logn_attention: log-n attention on top of the method.
+        logn_attention: log-n attention on top of the method (given as None: off, unless
+            ``method`` has the suffix; always True or False once made).
         original_rope_theta, rotary_dim, kept: facts of the model the patch is for (its RoPE
             base, rotated dimensions per head, and the original ``rope_parameters`` keys the patch
             keeps, such as ``partial_rotary_factor``); None / empty for a spec not tied to a model.
         module_name: where the rotary module sits in the patched model ("" when not patched).
 
-    Making one checks every field (``ValueError``/``TypeError`` naming the field and the fix);
-    :meth:`create` also resolves ``max_length``, ``"+logn"`` names and the whole-token scale.
+    Making one checks every field (``ValueError``/``TypeError`` naming the field and the fix),
+    turns a ``"+logn"`` suffix of ``method`` into ``logn_attention=True`` (refused with
+    ``logn_attention=False``) and rounds ``scale`` so that ``L0 * scale`` is a whole number of
+    tokens, as ``patch_model`` does (:func:`whole_token_scale`); :meth:`create` also resolves
+    ``max_length``. A spec is immutable (``params`` and ``kept`` are read-only dicts) and hashable.
     """
 
     method: str
     scale: float
     original_max_position_embeddings: int
-    params: dict[str, Any] = field(default_factory=dict)
+    params: Mapping[str, Any] = field(default_factory=dict)
     steps_per_doubling: int | None = None
-    logn_attention: bool = False
+    logn_attention: bool | None = None  # None: not given (off unless ``method`` ends in "+logn")
     original_rope_theta: float | None = None
     rotary_dim: int | None = None
-    kept: dict[str, Any] = field(default_factory=dict)
+    kept: Mapping[str, Any] = field(default_factory=dict)
     module_name: str = ""
+    # Set by from_record only: a scale read from a checkpoint written before the whole-token rule
+    # is kept as it was (its extended context rounds up, see extended_length), not re-rounded.
+    _recorded_scale: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        rope_method = get_method(self.method)  # unknown names: ValueError with the valid ones
+        method, logn_attention = split_method_spec(self.method, self.logn_attention)
+        rope_method = get_method(method)  # unknown names: ValueError with the valid ones
         set_field = object.__setattr__  # frozen: normalised values are written once, here
         set_field(self, "method", rope_method.name)
+        set_field(self, "logn_attention", logn_attention)
         set_field(self, "scale", check_scale(self.scale))
         set_field(self, "original_max_position_embeddings",
                   check_length(self.original_max_position_embeddings, "original_max_length"))  # fmt: skip
@@ -200,6 +239,10 @@ class PatchSpec:
         if original > MAX_CONTEXT:
             check_context(original, "original_max_length")
         check_context(self.scale * original - 1e-6, f"scale={self.scale!r} on an original context of {original} tokens")
+        tokens = self.scale * original
+        whole = round(tokens) > original and math.isclose(tokens, round(tokens), rel_tol=1e-9)  # to float rounding
+        if not whole and not self._recorded_scale:  # round it, or refuse it, as patch_model does
+            set_field(self, "scale", whole_token_scale(self.scale, original))
         if self.rotary_dim is not None:
             rotary_dim = check_length(self.rotary_dim, "rotary_dim", "number of dimensions")
             if rotary_dim % 2:
@@ -224,9 +267,21 @@ class PatchSpec:
             raise ValueError(
                 f"steps_per_doubling only applies to length-dependent methods; {self.method!r} is static."
             )
-        if not isinstance(self.logn_attention, bool):
-            raise TypeError(f"logn_attention must be True or False, got {self.logn_attention!r}.")
-        set_field(self, "kept", dict(self.kept))
+        set_field(self, "params", _ReadOnlyDict(self.params))
+        if not isinstance(self.kept, Mapping) or not all(isinstance(key, str) for key in self.kept):
+            raise TypeError(
+                "kept must be a mapping of the rope_parameters keys the patch keeps (e.g. {'partial_rotary_factor': "
+                f"0.5}}, or {{}}), got {self.kept!r:.80}."
+            )
+        kept = {key: plain_value(value) for key, value in self.kept.items()}
+        for key, value in kept.items():  # written to the patched config
+            _check_json(value, f"kept[{key!r}]")
+        set_field(self, "kept", _ReadOnlyDict(kept))
+        if not isinstance(self.module_name, str):
+            raise TypeError(
+                f"module_name must be a string (the rotary module's path in the model, '' when not patched), got "
+                f"{self.module_name!r}."
+            )
 
     # -- making one ------------------------------------------------------------------------------
 
@@ -291,7 +346,7 @@ class PatchSpec:
     def at_module(self, module_name: str) -> PatchSpec:
         """This spec with ``module_name`` set. Not checked again: the spec was checked when made,
         and its method may have been unregistered since (the model still runs it)."""
-        located = copy.copy(self)
+        located = copy.deepcopy(self)  # nothing shared with the live patch (nested lists included)
         object.__setattr__(located, "module_name", module_name)
         return located
 
@@ -451,6 +506,7 @@ class PatchSpec:
             params = resolve_params(method, rotary_dim, record["params"])
         except (TypeError, ValueError) as error:
             raise RecordError(f"has parameters method {method.name!r} does not accept: {error}", source) from None
-        return cls(method.name, float(scale), original, params, steps, logn, float(base), rotary_dim, dict(kept or {}))
+        return cls(method.name, float(scale), original, params, steps, logn, float(base), rotary_dim, dict(kept or {}),
+                   _recorded_scale=True)
 
 

@@ -25,7 +25,6 @@ per-case losses are cached under outputs/runtimes/work/, so a rerun skips finish
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -40,6 +39,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hf_rope_ext.arguments import ArgumentParser  # noqa: E402
 from hf_rope_ext.loading import cache_dir  # noqa: E402  (light import: no torch model yet)
 
 BOOK = REPO.parent / "shared" / "data" / "books" / "pg84.txt"
@@ -620,7 +620,7 @@ def markdown(results: list[dict[str, Any]], unsupported: list[dict[str, Any]], t
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phase", choices=("ours", "convert", "llama", "report", "all"), default="all")
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma-separated case names")
     parser.add_argument("--tokens", type=int, default=12288)

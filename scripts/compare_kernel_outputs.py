@@ -14,7 +14,6 @@ differences.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -27,9 +26,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from hf_rope_ext import patch_model
 from hf_rope_ext.attention import TWO_REGIME_SWITCH
 
+try:  # each option given once; --save runs with another checkout on PYTHONPATH, which may predate it
+    from hf_rope_ext.arguments import ArgumentParser
+except ImportError:
+    from argparse import ArgumentParser
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", type=Path, help="a checkpoint folder")
     parser.add_argument("--tokens", type=int, default=65536, help="tokens of the forward (beyond the native context)")
     parser.add_argument("--save", type=Path, help="write this checkout's hidden states here (a new file)")

@@ -10,18 +10,18 @@ one, and feeds random token ids).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from hf_rope_ext.arguments import ArgumentParser
 from hf_rope_ext.files import atomic_directory
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help="where to write the checkpoint (must not exist)")
     args = parser.parse_args()
     if args.folder.exists():

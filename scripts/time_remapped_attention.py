@@ -19,7 +19,6 @@ chunks, and how many of them take a mask (runs anywhere, in seconds).
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -27,6 +26,11 @@ import torch
 
 from hf_rope_ext import attention
 from hf_rope_ext.arguments import check_device
+
+try:  # each option given once; gpu_attention_speed.sh OTHER runs this against a checkout that may predate it
+    from hf_rope_ext.arguments import ArgumentParser
+except ImportError:
+    from argparse import ArgumentParser
 
 METHODS = ("self-extend", "self-extend-by-parts", "dual-chunk")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,7 +76,7 @@ def count_tiles(method: str, tokens: int, remap) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("method", choices=METHODS)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=3)

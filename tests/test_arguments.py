@@ -203,3 +203,97 @@ def test_a_huggingface_hub_warning_is_printed_once(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("the hub retries") == 1, result.stderr
+
+
+# -- an option given twice ------------------------------------------------------------------------------
+
+def _cli(*words: str):
+    return lambda argv: build_parser().parse_args([*words, *argv])
+
+
+def _example_parse_args(name: str):
+    return lambda argv: example(name).parse_args(argv)
+
+
+def _example_main(name: str, monkeypatch):
+    def parse(argv):  # these build their parser inside main() and read sys.argv
+        monkeypatch.setattr("sys.argv", [f"{name}.py", *argv])
+        example(name).main()
+
+    return parse
+
+
+# (entry point, its other required options, the option given twice, its two values); argparse kept the second value.
+GIVEN_TWICE = {
+    "eval --scales": (_cli("eval"), ["--output-dir", "o"], "--scales", "--scales", "2", "4"),
+    "eval --output-dir/--output_dir": (_cli("eval"), [], "--output-dir", "--output_dir", "a", "b"),
+    "eval --no-progress": (_cli("eval"), ["--output-dir", "o"], "--no-progress", "--no_progress", None, None),
+    "demo --scale": (_cli("demo"), [], "--scale", "--scale", "2", "4"),
+    "runtimes --method": (_cli("runtimes"), [], "--method", "--method", "yarn", "ntk"),
+    "card --model-dir/--model_dir": (_cli("card"), [], "--model-dir", "--model_dir", "a", "b"),
+    "auto --max-length": (_cli("auto"), ["--model", "m"], "--max-length", "--max_length", "8", "16"),
+    "hf-rope-ext -v/--verbose": (lambda argv: build_parser().parse_args([*argv, "methods"]), [], "-v", "--verbose",
+                                 None, None),
+    "finetune_lora --output-dir/--output_dir": (lambda argv: example("finetune_lora").build_parser().parse_args(argv),
+                                                ["--model", "m", "--text-files", "a"], "--output-dir", "--output_dir",
+                                                "a", "b"),
+    "finetune_lora --lora-rank": (lambda argv: example("finetune_lora").build_parser().parse_args(argv),
+                                  ["--model", "m", "--output-dir", "o"], "--lora-rank", "--lora_rank", "8", "4"),
+    "run_results_table --scales": (_example_parse_args("run_results_table"), ["--text-files", "a", "--output-dir", "o"],
+                                   "--scales", "--scales", "2", "4"),
+    "eval_long_context --ppl-lengths": (_example_parse_args("eval_long_context"),
+                                        ["--text-files", "a", "--output-dir", "o"], "--ppl-lengths", "--ppl_lengths",
+                                        "4k", "8k"),
+    "benchmark_speed --scale": (_example_parse_args("benchmark_speed"), ["--output-dir", "o"], "--scale", "--scale",
+                                "2", "4"),
+    "compare_configurations --length": ("compare_configurations", ["--text-files", "a", "--scale", "2", "--configs",
+                                        "none", "--output-dir", "o"], "--length", "--length", "64", "128"),
+    "compare_retrieval --output-dir": ("compare_retrieval", ["--length", "64", "--scale", "2", "--configs", "none"],
+                                       "--output-dir", "--output_dir", "a", "b"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(GIVEN_TWICE))
+def test_an_option_given_twice_is_refused_naming_it(case, tmp_path, monkeypatch, capsys):
+    """argparse kept the last value and dropped the first silently (eval --scales 2 --scales 4 ran scale 4 only)."""
+    monkeypatch.chdir(tmp_path)
+    parse, required, first, second, value_1, value_2 = GIVEN_TWICE[case]
+    if isinstance(parse, str):
+        parse = _example_main(parse, monkeypatch)
+    twice = [first, *([value_1] if value_1 else []), second, *([value_2] if value_2 else [])]
+    line = _refused_at_parsing(parse, [*required, *twice], capsys)
+    assert re.search(r"error: .*" + re.escape(second) + r" given twice.*; give it once", line), line
+    if second != first:
+        assert f"(first as {first})" in line, line
+    if "scales" in first or "lengths" in first:  # a list option: how to give several values
+        assert f"one comma-separated list ({second} A,B)" in line, line
+    assert list(tmp_path.iterdir()) == []  # refused before anything was made
+
+
+def test_two_options_setting_one_value_are_refused_and_repeatable_options_still_repeat(capsys):
+    line = _refused_at_parsing(finetune_parser().parse_args, ["--model", "m", "--output-dir", "o", "--text-files", "a",
+                                                              "--shuffle", "--no-shuffle"], capsys)  # fmt: skip
+    assert "error: --shuffle and --no-shuffle set the same option; give one of them, once" in line
+    line = _refused_at_parsing(finetune_parser().parse_args, ["--model", "m", "--output-dir", "o", "--text-files", "a",
+                                                              "--lora-target-modules", "q_proj",
+                                                              "--lora-target-modules", "v_proj"], capsys)  # fmt: skip
+    assert "give it once, with all its values after it (--lora-target-modules A B)" in line
+    # append / extend options are meant to repeat: runtimes --param, --text-files under any spelling
+    args = build_parser().parse_args(["runtimes", "--method", "yarn", "--param", "beta_fast=16", "--param", "mscale=1"])
+    assert [key for key, _ in args.param] == ["beta_fast", "mscale"]
+    args = build_parser().parse_args(["eval", "--output-dir", "o", "--text-files", "a", "--text_file", "b"])
+    assert args.text_file == [Path("a"), Path("b")]
+    # each parse starts afresh: the same parser parses the same options again
+    parser = finetune_parser()
+    for _ in range(2):
+        assert parser.parse_args(["--model", "m", "--output-dir", "o", "--lora-rank", "8"]).lora_rank == 8
+
+
+def test_every_subcommand_parser_refuses_an_option_given_twice():
+    """Subcommand parsers take the class of the parser they hang on; a new subcommand gets the check too."""
+    from hf_rope_ext.arguments import ArgumentParser
+
+    parser = build_parser()
+    (subparsers,) = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+    assert isinstance(parser, ArgumentParser)
+    assert all(isinstance(sub, ArgumentParser) for sub in subparsers.choices.values())

@@ -1584,6 +1584,33 @@ def test_a_forward_run_inside_another_leaves_the_outer_one_its_own_length(method
         torch.testing.assert_close(calls[0], fresh(inner).logits, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("method", ["self-extend-yarn", "self-extend-dca", "dynamic-yarn-dca", "self-extend-yarn+logn"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gradient_checkpointing_recomputes_each_layer_with_its_own_forwards_regime(method, family):
+    """Gradient checkpointing recomputes the layers during backward, after other forwards ran (an
+    evaluation below the settle length, a second loss term): each recomputed layer must use the
+    regime and frequencies of its own forward, so the gradients equal those without checkpointing."""
+    long_ids, short_ids = random_ids(LENGTH), random_ids(40, seed=2)  # beyond and below the settle length 2 x L0
+
+    def gradients(checkpointing: bool, between: str):
+        model = make_model(family, attn_implementation="sdpa")
+        patch_model(model, scale=8, method=method)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        loss = model(long_ids, labels=long_ids, use_cache=False).loss
+        if between == "evaluation":  # a forward without gradients before the backward
+            with torch.no_grad():
+                model(short_ids[:, :20], use_cache=False)
+        else:  # a second loss term, shorter, summed before one backward
+            loss = loss + model(short_ids, labels=short_ids, use_cache=False).loss
+        return torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+
+    for between in ("evaluation", "second loss"):
+        for actual, expected in zip(gradients(True, between), gradients(False, between)):
+            torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+
+
 def _tiny_model(model_type: str, attn_implementation: str = "eager", **overrides):
     """A tiny random model of a family outside conftest's four, with conftest's shapes."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -284,6 +284,10 @@ def test_a_cache_that_cannot_be_written_keeps_the_measured_choice(tmp_path, capl
         ({"objective": "inside"}, "'all' or 'beyond'"),
         ({"beta_fast": 32}, "not beta_fast"),
         ({"logn_attention": True}, "not taken"),
+        ({"calibration_ids": []}, "has only 0 tokens"),  # an empty list is a float tensor: not "integer ids"
+        ({"calibration_length": L0}, "got a calibration length of 32. Give a larger one"),
+        ({"progress": "no"}, "progress must be True or False"),
+        ({"calibration_lenght": L0 + 8}, "Did you mean calibration_length"),
     ],
 )
 def test_bad_auto_input_is_refused_with_the_cause(kwargs, message):
@@ -478,3 +482,164 @@ def test_auto_checks_the_attention_backend_like_eval(tmp_path, capsys):
     err = capsys.readouterr().err
     expected = "needs the flash_attn package" if importlib.util.find_spec("flash_attn") is None else "runs on CUDA GPUs"
     assert f"error: --attn-implementation flash_attention_2 {expected}" in err
+
+
+def _own_losses(model, ids, scale, candidates, dtype=None):
+    """Per candidate (patched by name): the mean float64 cross-entropy of the model's own logits,
+    in eval mode, under ``torch.autocast("cpu", dtype)`` when ``dtype`` is given."""
+    results = []
+    for text in candidates:
+        method, params = CANDIDATES[text]
+        patch_model(model, scale, method, **params)
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            logits = model(input_ids=ids[None]).logits[0, :-1].double()
+        unpatch_model(model)
+        results.append(float(torch.nn.functional.cross_entropy(logits, ids[1:])))
+    return results
+
+
+def test_a_model_in_training_mode_is_measured_in_eval_mode_and_keeps_its_mode(monkeypatch):
+    """With attention dropout, training-mode losses are noise: the candidates are measured in eval
+    mode (so the cache holds eval numbers), and every module gets its own mode back."""
+    import hf_rope_ext.auto as auto
+
+    model = make_model("llama", attention_dropout=0.5)
+    ids = random_ids(3 * L0)[0]
+    candidates = ["yarn", "ntk"]  # rotary-only: patch_model takes them in training mode
+    reference = _own_losses(model.eval(), ids, 3, candidates)
+    model.train()
+    model.model.layers[0].eval()  # a mixed mode is put back as it was
+    modes = [module.training for module in model.modules()]
+    choice = choose_configuration(model, ids, 3, candidates=candidates, progress=False)
+    assert [score.mean_loss for score in choice.scores] == pytest.approx(reference, rel=1e-6)
+    assert [module.training for module in model.modules()] == modes
+    model.eval()
+    cached = choose_configuration(model, ids, 3, candidates=candidates, progress=False)
+    assert cached.from_cache and [score.mean_loss for score in cached.scores] == pytest.approx(reference, rel=1e-6)
+    model.train()
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(auto, "_score", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        choose_configuration(model, ids, 3, candidates=candidates, cache=False, progress=False)
+    assert all(module.training for module in model.modules())  # also after a failure
+
+
+def test_check_configurations_puts_the_previous_patch_back():
+    """Checking patches from the original model; the patch the model had comes back, also when a
+    configuration is refused (its logits as before, bitwise)."""
+    from hf_rope_ext.auto import check_configurations
+
+    model = make_model("llama")
+    patch_model(model, 2, "yarn", beta_fast=16)
+    previous = get_patch_info(model)
+    probe = random_ids(2 * L0, seed=3)
+    with torch.no_grad():
+        before = model(probe).logits
+    check_configurations(model, ["ntk", "dual-chunk"], 4)
+    assert get_patch_info(model) == previous
+    with pytest.raises(ValueError, match="configuration 'yarn:beta_fast=-1'"):
+        check_configurations(model, ["ntk", "yarn:beta_fast=-1"], 4)
+    assert get_patch_info(model) == previous
+    with torch.no_grad():
+        assert torch.equal(model(probe).logits, before)
+
+
+def test_the_cache_tells_autocast_from_full_precision():
+    """The weights are fp32 either way; under autocast the forward runs in bf16, other numbers."""
+    model = make_model("llama")
+    ids = random_ids(3 * L0)[0]
+    candidates = ["yarn", "ntk", "dual-chunk"]
+    in_fp32 = choose_configuration(model, ids, 3, candidates=candidates, progress=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        in_bf16 = choose_configuration(model, ids, 3, candidates=candidates, progress=False)
+    assert not in_bf16.from_cache
+    reference = _own_losses(model, ids, 3, candidates, dtype=torch.bfloat16)
+    assert [score.mean_loss for score in in_bf16.scores] == pytest.approx(reference, rel=1e-4)
+    again = choose_configuration(model, ids, 3, candidates=candidates, progress=False)
+    assert again.from_cache and again.scores == in_fp32.scores
+    in_fp32_reference = _own_losses(model, ids, 3, candidates)
+    assert [score.mean_loss for score in again.scores] == pytest.approx(in_fp32_reference, rel=1e-6)
+
+
+def test_writers_sharing_a_cache_keep_each_others_entries(tmp_path, monkeypatch):
+    """Two writers whose re-read and write interleave (held at a barrier between them, as two
+    processes may be) must not lose an entry: the second waits for the first."""
+    import threading
+
+    import hf_rope_ext.auto as auto
+
+    shared = tmp_path / "shared.json"
+    barrier = threading.Barrier(2)
+    write = auto.atomic_write_json
+
+    def interleaved_write(path, data):
+        try:
+            barrier.wait(timeout=1.5)  # both writers here at once, unless one waits for the other
+        except threading.BrokenBarrierError:
+            pass
+        write(path, data)
+
+    monkeypatch.setattr(auto, "atomic_write_json", interleaved_write)
+    errors = []
+
+    def measure(seed, length):
+        try:
+            choose_configuration(make_model("llama", seed=seed), random_ids(3 * L0)[0], 3, length=length,
+                                 candidates=["yarn"], cache_path=shared, progress=False)  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=measure, args=(seed, L0 + 8 + seed)) for seed in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert len(json.loads(shared.read_text())["entries"]) == 2
+
+
+def test_user_registered_methods_are_measured_each_time_and_checked_before_the_cache(caplog):
+    """A method registered again under the same name with other code must not get the old numbers;
+    one no longer registered is refused, not chosen from the cache."""
+    from hf_rope_ext import unregister_method
+    from hf_rope_ext.methods import default_inv_freq
+
+    model = make_model("llama")
+    ids = random_ids(3 * L0)[0]
+    candidates = ["mine", "ntk"]
+    def frequencies_divided_by(divisor):
+        return lambda dim, base, params, length=None: (default_inv_freq(dim, base) / divisor, 1.0)
+
+    for divisor in (4, 1 / 3):  # one name, two implementations
+        register_method("mine", frequencies_divided_by(divisor))
+        try:
+            with caplog.at_level(logging.INFO, logger="hf_rope_ext.auto"):
+                choice = choose_configuration(model, ids, 3, candidates=candidates, progress=False)
+            CANDIDATES["mine"] = ("mine", {})
+            try:
+                reference = _own_losses(model, ids, 3, candidates)
+            finally:
+                del CANDIDATES["mine"]
+            assert [score.mean_loss for score in choice.scores] == pytest.approx(reference, rel=1e-6)
+        finally:
+            unregister_method("mine")
+    assert not choice.from_cache and choice.cache_path is None
+    assert "Not caching this calibration: mine use a user-registered method" in caplog.text
+    with pytest.raises(ValueError, match="candidate 'mine': Unknown RoPE method 'mine'"):
+        choose_configuration(model, ids, 3, candidates=candidates, progress=False)
+    assert get_patch_info(model) is None
+
+
+def test_patch_model_auto_takes_cache_path(tmp_path):
+    """README: a cache_path= shared by several models keeps their answers apart; patch_model takes it too."""
+    model = make_model("llama")
+    ids = random_ids(3 * L0)[0]
+    shared = tmp_path / "calibration.json"
+    patch_model(model, 3, "auto", calibration_ids=ids, candidates=["yarn", "ntk"], cache_path=shared, progress=False)
+    (entry,) = json.loads(shared.read_text())["entries"].values()
+    reference = _own_losses(make_model("llama"), ids, 3, ["yarn", "ntk"])
+    assert [score["mean_loss"] for score in entry["scores"]] == pytest.approx(reference, rel=1e-6)
+    assert get_patch_info(model).method == ["yarn", "ntk"][reference.index(min(reference))]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ORIGINAL_CONTEXT, make_model, random_ids, save_tiny_llama, smollm2_tokenizer
+from test_examples import replacing_options
 from torch import nn
 
 from hf_rope_ext import DEFAULT_METHOD, get_patch_info, patch_model, unpatch_model
@@ -1124,7 +1125,7 @@ def test_compare_examples_refuse_bad_configurations_before_any_forward(
     argv = [script, "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--output-dir", str(output)]
     if script == "compare_configurations.py":
         argv += ["--text-files", str(text)]
-    monkeypatch.setattr(sys, "argv", argv + arguments)  # a later --scale overrides the first
+    monkeypatch.setattr(sys, "argv", replacing_options(argv, arguments))  # the case's --scale replaces the base one
     with pytest.raises(SystemExit) as stopped:
         module.main()
     assert stopped.value.code == 2
@@ -1151,7 +1152,7 @@ def test_compare_configurations_example_refuses_bad_lengths(tiny_checkpoint, tmp
     text.write_text("A short story about the sea. " * 200)
     argv = ["compare_configurations.py", "--model", str(tiny_checkpoint), "--text-files", str(text), "--length", "512",
             "--scale", "2", "--configs", "yarn", "--output-dir", str(tmp_path / "out")]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv + arguments)
+    monkeypatch.setattr(sys, "argv", replacing_options(argv, arguments))
     with pytest.raises(SystemExit) as stopped:
         module.main()
     assert stopped.value.code == 2
@@ -1486,7 +1487,7 @@ def test_compare_retrieval_refuses_bad_input_in_one_line(tiny_checkpoint, tmp_pa
     (tmp_path / "afile").write_text("x")
     argv = ["compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2", "--configs",
             "yarn", "--output-dir", str(tmp_path / "out")]  # fmt: skip
-    argv += [argument.format(tmp=tmp_path) for argument in arguments]
+    argv = replacing_options(argv, [argument.format(tmp=tmp_path) for argument in arguments])
     last = _example_error(module, monkeypatch, capsys, argv)
     assert last.startswith("compare_retrieval.py: error: ") and message in last
     assert not (tmp_path / "out").exists()
@@ -1506,11 +1507,9 @@ def test_compare_configurations_refuses_bad_input_in_one_line(tiny_checkpoint, t
     (tmp_path / "afile").write_text("x")
     text = tmp_path / "doc.txt"
     text.write_text("A short story about the sea. " * 200)
-    argv = ["compare_configurations.py", "--model", str(tiny_checkpoint), "--length", "512", "--scale", "2",
-            "--configs", "yarn", "--output-dir", str(tmp_path / "out")]  # fmt: skip
-    if "--text-files" not in arguments:
-        argv += ["--text-files", str(text)]
-    argv += [argument.format(tmp=tmp_path) for argument in arguments]
+    argv = ["compare_configurations.py", "--model", str(tiny_checkpoint), "--text-files", str(text), "--length", "512",
+            "--scale", "2", "--configs", "yarn", "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    argv = replacing_options(argv, [argument.format(tmp=tmp_path) for argument in arguments])
     last = _example_error(module, monkeypatch, capsys, argv)
     assert last.startswith("compare_configurations.py: error: ") and message in last
     assert not (tmp_path / "out").exists()
@@ -1540,10 +1539,7 @@ def test_run_results_table_refuses_bad_input_in_one_line(tiny_checkpoint, tmp_pa
     argv = ["run_results_table.py", "--model", str(tiny_checkpoint), "--text-files", str(book), "--methods",
             "none,yarn", "--scales", "2", "--ppl-lengths", "512", "--retrieval-lengths", "", "--device", "cpu",
             "--output-dir", str(tmp_path / "out")]  # fmt: skip
-    argv += [argument.format(tmp=tmp_path) for argument in arguments]
-    if "--text-files" in arguments:
-        argv.remove(str(book))
-        argv.remove("--text-files")
+    argv = replacing_options(argv, [argument.format(tmp=tmp_path) for argument in arguments])
     last = _example_error(module, monkeypatch, capsys, argv)
     assert last.startswith("run_results_table.py: error: ") and message in last
     assert not (tmp_path / "out" / "results.jsonl").exists()

@@ -79,6 +79,28 @@ def test_eval_example_takes_the_eval_commands_list_spellings(tiny):
     assert args.retrieval_tasks == []
 
 
+def replacing_options(argv: list[str], extra: list[str]) -> list[str]:
+    """``argv`` and then ``extra``, less the options of ``argv`` (with their values) that ``extra``
+    gives again: the parsers refuse an option given twice, so a case's option replaces the base
+    one. Spellings match with ``_`` read as ``-``; option values here never start with ``--``."""
+
+    def name(part: str) -> str:
+        return part.split("=", 1)[0].replace("_", "-")
+
+    given = {name(part) for part in extra if part.startswith("--")}
+    kept, dropping_values = [], False
+    for part in argv:
+        if part.startswith("--"):
+            dropped = name(part) in given
+            dropping_values = dropped and "=" not in part  # its values follow it
+            if dropped:
+                continue
+        elif dropping_values:
+            continue
+        kept.append(part)
+    return [*kept, *extra]
+
+
 def _refused_before_loading(module, argv, monkeypatch, capsys) -> str:
     """Run ``module.main(argv)``: exit code 2, no traceback, the model never loaded; the error line."""
 
@@ -107,8 +129,9 @@ def _refused_before_loading(module, argv, monkeypatch, capsys) -> str:
 ])  # fmt: skip
 def test_eval_example_bad_input_is_one_line_and_exit_2_before_loading(tiny, extra, message, monkeypatch, capsys):
     module = example("eval_long_context")
-    argv = ["--text-files", str(tiny / "book.txt"), "--output-dir", str(tiny / "unused"), "--ppl-lengths", "64",
-            "--retrieval-tasks", "", *[part.format(tiny=tiny) for part in extra]]  # fmt: skip
+    argv = replacing_options(["--text-files", str(tiny / "book.txt"), "--output-dir", str(tiny / "unused"),
+                              "--ppl-lengths", "64", "--retrieval-tasks", ""],
+                             [part.format(tiny=tiny) for part in extra])  # fmt: skip
     assert message.format(tiny=tiny) in _refused_before_loading(module, argv, monkeypatch, capsys)
     assert not (tiny / "unused").exists()  # made only once the input passed
 
@@ -126,7 +149,7 @@ def test_eval_example_bad_input_is_one_line_and_exit_2_before_loading(tiny, extr
 ])  # fmt: skip
 def test_benchmark_bad_input_is_one_line_and_exit_2_before_loading(tiny, extra, message, monkeypatch, capsys):
     module = example("benchmark_speed")
-    argv = ["--output-dir", str(tiny / "unused"), *[part.format(tiny=tiny) for part in extra]]
+    argv = replacing_options(["--output-dir", str(tiny / "unused")], [part.format(tiny=tiny) for part in extra])
     assert message.format(tiny=tiny) in _refused_before_loading(module, argv, monkeypatch, capsys)
 
 

@@ -19,7 +19,7 @@ import weakref
 import pytest
 import torch
 from conftest import ORIGINAL_CONTEXT, make_model, native_twin, on_a_thread, paused_on_a_thread, random_ids
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hf_rope_ext import patch_model, planned_length, unpatch_model
@@ -603,8 +603,8 @@ def test_frequency_grid_takes_the_smallest_step_and_maps_steps_to_themselves(ste
 
 
 def test_generate_without_a_length_keeps_an_enclosing_plan():
-    # No max_new_tokens nor max_length: transformers' default (20 new tokens, capped at the
-    # extended context) is not planned by the wrapper, so the enclosing plan of 4 L0 must hold.
+    # No max_new_tokens nor max_length: the wrapper plans transformers' default (prompt + 20),
+    # shorter than the enclosing plan of 4 L0, which must hold.
     model = make_model("llama")
     patch_model(model, scale=4, method="dynamic")
     prompt = random_ids(L0 - 12)
@@ -617,6 +617,76 @@ def test_generate_without_a_length_keeps_an_enclosing_plan():
     torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
     with torch.no_grad():  # and the plan matters here: inside L0 on their own, these are the original frequencies
         assert not torch.allclose(model(out.sequences[:, :-1]).logits[:, L0 - 13 :], full, atol=1e-3)
+
+
+# Lengths as transformers resolves them (generation/utils.py `_prepare_generated_length`): the
+# call's keyword, else a generation_config passed to it, else the model's; without max_new_tokens
+# nor max_length anywhere, 20 new tokens capped at config.max_position_embeddings, which is the
+# extended context (4 L0) during the call.
+LENGTH_CASES = {  # name: (prompt, what the model's generation_config sets, the call's keywords, final length)
+    "default": (L0 + 18, {}, {}, L0 + 38),
+    "default capped at the extended context": (4 * L0 - 8, {}, {}, 4 * L0),
+    "model's max_length": (L0 + 18, {"max_length": L0 + 40}, {}, L0 + 40),
+    "model's max_new_tokens": (L0 + 18, {"max_new_tokens": 15}, {}, L0 + 33),
+    "call's None over the model's max_new_tokens": (L0 + 18, {"max_new_tokens": 15}, {"max_new_tokens": None}, L0 + 38),
+    "generation_config argument's max_length": (L0 + 18, {}, {"generation_config": {"max_length": L0 + 30}}, L0 + 30),
+    # the argument's unset fields are the model's, and max_new_tokens wins over max_length
+    "model's max_new_tokens with the argument's max_length": (
+        L0 + 18, {"max_new_tokens": 15}, {"generation_config": {"max_length": L0 + 30}}, L0 + 33),
+}
+
+
+@pytest.mark.parametrize("case", list(LENGTH_CASES))
+def test_generate_plans_the_length_transformers_resolves(case):
+    """A call without max_new_tokens is planned as transformers reads it: one prefill, then one
+    token per step, and the same tokens and logits as the explicit max_new_tokens call and as full
+    forwards over the generated tokens."""
+    prompt_length, model_settings, call, final = LENGTH_CASES[case]
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    for name, value in model_settings.items():
+        setattr(model.generation_config, name, value)
+    settings = dict(do_sample=False, pad_token_id=0, min_new_tokens=final - prompt_length,
+                    output_logits=True, return_dict_in_generate=True)
+    if "generation_config" in call:
+        call = {"generation_config": GenerationConfig(**call["generation_config"], **settings)}
+    else:
+        call = {**call, **settings}
+    prompt = random_ids(prompt_length)
+    outputs = []
+    lengths = _decoder_calls(model, lambda: outputs.append(model.generate(prompt, **call)))
+    out = outputs[0]
+    assert out.sequences.shape[1] == final  # transformers' own resolution, as the case says
+    assert lengths == [prompt_length] + [1] * (final - prompt_length - 1)
+    assert recomputations(model) == 0
+
+    explicit = model.generate(prompt, max_new_tokens=final - prompt_length, **settings)
+    assert torch.equal(out.sequences, explicit.sequences)
+    with torch.no_grad(), planned_length(model, final):
+        full = model(out.sequences[:, :-1]).logits[:, prompt_length - 1 :]
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
+
+
+def test_generate_from_inputs_embeds_without_a_length_plans_transformers_default():
+    # From embeddings alone the generated ids start empty: transformers' default max_length is 20
+    # new ids (capped at the context), so the sequence is the prompt plus 20.
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    prompt = random_ids(L0 + 8)
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings()(prompt)
+    outputs = []
+    lengths = _decoder_calls(model, lambda: outputs.append(model.generate(
+        inputs_embeds=embeddings, min_new_tokens=20, do_sample=False, pad_token_id=0,
+        output_logits=True, return_dict_in_generate=True)))
+    out = outputs[0]
+    assert out.sequences.shape[1] == 20
+    assert lengths == [L0 + 8] + [1] * 19
+    assert recomputations(model) == 0
+    sequence = torch.cat([prompt, out.sequences], 1)
+    with torch.no_grad(), planned_length(model, L0 + 28):
+        full = model(sequence[:, :-1]).logits[:, L0 + 7 :]
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
 
 
 # -- the cache operations the prefix recompute follows -----------------------------------------
@@ -861,9 +931,8 @@ def test_generate_without_a_length_reads_a_prompt_beyond_the_original_context(me
     """Length-dependent patches keep config.max_position_embeddings at L0 (config_io), which generate
     reads as the model's length: a call without max_new_tokens on a longer prompt was refused by
     transformers. During generate it is the extended context, as a static patch writes it: the call
-    gives transformers' 20 default tokens capped there, the same tokens as an explicit call without a
-    plan (a call without a length announces none), and the config is back to L0 afterwards, also after
-    a failed call."""
+    gives transformers' 20 default tokens capped there, planned as that length: the same tokens as the
+    explicit call, and the config is back to L0 afterwards, also after a failed call."""
     model = make_model("llama", attn_implementation="sdpa")
     prompt = random_ids(L0 + L0 // 2)
     with pytest.raises(ValueError, match="max_length"):  # what the unpatched model does
@@ -872,8 +941,8 @@ def test_generate_without_a_length_reads_a_prompt_beyond_the_original_context(me
     assert model.config.max_position_embeddings == L0
     default = model.generate(prompt, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert default.shape[1] == 2 * L0  # min(prompt + 20, 2 L0): the cap of the extended context
-    explicit = unplanned_generate(model, prompt, max_new_tokens=2 * L0 - prompt.shape[1], do_sample=False,
-                                  pad_token_id=0, eos_token_id=None)  # fmt: skip
+    explicit = model.generate(prompt, max_new_tokens=2 * L0 - prompt.shape[1], do_sample=False, pad_token_id=0,
+                              eos_token_id=None)  # fmt: skip
     assert torch.equal(default, explicit)
     assert model.config.max_position_embeddings == L0
     with pytest.raises(ValueError):

@@ -721,6 +721,9 @@ class RecordingApi:
     def create_repo(self, repo_id, **kwargs):
         self.calls.append(("create_repo", repo_id, kwargs))
 
+    def create_branch(self, repo_id, **kwargs):
+        self.calls.append(("create_branch", repo_id, kwargs))
+
     def upload_folder(self, *, repo_id, folder_path, **kwargs):
         files = {path.name: path.read_bytes() for path in Path(folder_path).iterdir()}
         self.calls.append(("upload_folder", repo_id, {**kwargs, "files": files}))
@@ -1767,7 +1770,7 @@ def test_loading_a_folder_while_a_save_swaps_its_files_waits_for_that_swap(tmp_p
     held, events = threading.Event(), []
 
     def swapping_run():
-        with files._locked(aside):
+        with files.folder_lock(aside):
             held.set()
             time.sleep(0.5)
             events.append("lock released")
@@ -2048,3 +2051,157 @@ def test_save_patched_of_something_else_than_a_model_names_save_patched(tmp_path
     with pytest.raises(TypeError, match="^save_patched expects a torch.nn.Module"):
         save_patched(not_a_model, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Hub arguments: pushes, config overrides, revisions and subfolders
+# ----------------------------------------------------------------------------------------------
+
+
+def test_save_patched_refuses_save_pretrained_push_arguments(tmp_path, monkeypatch):
+    """save_pretrained would push the staging folder itself, before save_patched completes and checks it."""
+    import huggingface_hub
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the Hub was called")
+
+    for name in ("create_repo", "create_commit", "upload_folder"):  # save_pretrained's push calls HfApi's
+        monkeypatch.setattr(huggingface_hub.HfApi, name, no_hub)
+    model = make_model("llama")
+    _patch(model, "yarn")
+    for kwargs in ({"push_to_hub": True, "repo_id": "me/x"}, {"push_to_hub": True}, {"token": "hf_x"},
+                   {"commit_message": "m", "private": True}):
+        with pytest.raises(ValueError, match=r"^save_patched saves to a folder and does not take .*push_patched_to_hub"):
+            save_patched(model, tmp_path / "ckpt", **kwargs)
+    assert not (tmp_path / "ckpt").exists()
+    api = RecordingApi()
+    with pytest.raises(ValueError, match="^push_patched_to_hub uploads the checked folder itself; leave out push_to"):
+        push_patched_to_hub(model, "me/x", api=api, push_to_hub=True)
+    assert api.calls == []
+
+
+def test_load_patched_sets_config_keyword_arguments_as_from_pretrained_does(tmp_path):
+    model = make_model("llama")
+    _patch(model, "self-extend-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    overrides = {"use_cache": False, "output_attentions": True}
+    reference = AutoModelForCausalLM.from_pretrained(folder, **overrides).config  # transformers' own reading
+    loaded = load_patched(folder, attn_implementation="eager", **overrides).eval()
+    for key in overrides:
+        assert getattr(loaded.config, key) == getattr(reference, key) == overrides[key], key
+    assert get_patch_info(loaded).method == "self-extend-yarn"
+    ids = random_ids(LENGTH)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, use_cache=False).logits, model(ids).logits, rtol=0, atol=2e-5)
+    # with config= given too, the caller's config object is not changed
+    config = AutoConfig.from_pretrained(folder)
+    assert not load_patched(folder, config=config, use_cache=False).config.use_cache and config.use_cache
+    # the RoPE fields the record describes are refused before the model is built
+    for field, value in (("max_position_embeddings", 256), ("rope_theta", 5e5),
+                         ("rope_parameters", {"rope_type": "default", "rope_theta": 1e4})):
+        with pytest.raises(ValueError, match=rf"^load_patched\({field}=\.\.\.\) would change the RoPE fields that the "
+                                             r"checkpoint's self-extend-yarn x4 record describes"):
+            load_patched(folder, **{field: value})
+
+
+def test_load_patched_reads_and_checks_a_config_given_as_a_path(tmp_path):
+    model = make_model("llama")
+    _patch(model, "self-extend-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    loaded = load_patched(folder, config=str(folder), attn_implementation="eager").eval()
+    assert get_patch_info(loaded).method == "self-extend-yarn"
+    ids = random_ids(LENGTH)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=2e-5)
+    edited = tmp_path / "edited"
+    save_patched(model, edited)
+    _edit_config(edited, lambda c: c["hf_rope_ext"].update(scale=2))
+    with pytest.raises(ValueError, match="scale"):
+        load_patched(folder, config=edited)
+    with pytest.raises(TypeError, match="^config must be a PretrainedConfig or the folder or Hub id of one, got dict"):
+        load_patched(folder, config={})
+
+
+def test_push_to_a_revision_creates_the_branch_first(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    api = RecordingApi()
+    push_patched_to_hub(model, "me/tiny", api=api, revision="long-ctx", token="hf_x")
+    assert [call[0] for call in api.calls] == ["create_repo", "create_branch", "upload_folder"]
+    _, repo, branch_kwargs = api.calls[1]
+    assert repo == "me/tiny" and branch_kwargs == {"branch": "long-ctx", "token": "hf_x", "exist_ok": True}
+    assert api.calls[2][2]["revision"] == "long-ctx"
+    for revision in (None, "refs/pr/3"):  # the default branch, and a pull request the Hub made
+        api = RecordingApi()
+        push_patched_to_hub(model, "me/tiny", api=api, revision=revision)
+        assert [call[0] for call in api.calls] == ["create_repo", "upload_folder"]
+
+
+def test_push_without_a_tokenizer_warns_that_the_repositorys_limit_stays(tmp_path, caplog):
+    model = make_model("llama")
+    _patch(model, "yarn", scale=4)
+    with caplog.at_level("WARNING", logger="hf_rope_ext.hub"):
+        push_patched_to_hub(model, "me/tiny", api=RecordingApi())
+    assert "Pushing without tokenizer=" in caplog.text and f"extended context {4 * L0}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_rope_ext.hub"):
+        push_patched_to_hub(model, "me/tiny", api=RecordingApi(), tokenizer=_tokenizer(L0))
+    assert "tokenizer=" not in caplog.text
+
+
+def test_push_refuses_a_card_for_another_repository_and_names_its_own(tmp_path):
+    model = make_model("llama")
+    _patch(model, "self-extend-yarn")
+    api = RecordingApi()
+    other = render_model_card(model, base_model="org/base", repo_id="me/other")[0]
+    with pytest.raises(ValueError, match="^card= was rendered for the repository 'me/other', not 'me/x'"):
+        push_patched_to_hub(model, "me/x", api=api, card=other)
+    assert api.calls == []
+    # a card rendered without repo_id: its loading instructions are those of a card rendered for me/x
+    push_patched_to_hub(model, "me/x", api=api, card=render_model_card(model, base_model="org/base")[0])
+    pushed = api.calls[-1][2]["files"]["README.md"].decode()
+    expected = str(render_model_card(model, base_model="org/base", repo_id="me/x")[0])
+    section = "## How to load"
+    assert pushed[pushed.index(section):] == expected[expected.index(section):]
+    assert 'load_patched("me/x")' in pushed
+    # a card for this repository, and a card of the user's own, are pushed as given
+    push_patched_to_hub(model, "me/x", api=api, card=expected)
+    assert api.calls[-1][2]["files"]["README.md"].decode() == expected
+    mine = "# notes\n\nmodel = from_pretrained(\"someone/else\")\n"
+    push_patched_to_hub(model, "me/x", api=api, card=mine)
+    assert api.calls[-1][2]["files"]["README.md"].decode() == mine
+
+
+def test_load_messages_name_the_revision_the_subfolder_and_restore_patch(tmp_path, monkeypatch, caplog):
+    import httpx2  # huggingface_hub's HTTP client, whose response its errors carry
+    import huggingface_hub
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    def no_such_revision(self, repo_id, revision=None, **kwargs):  # what the Hub answers for a model that exists
+        url = f"https://huggingface.co/api/models/{repo_id}/revision/{revision}"
+        response = httpx2.Response(404, request=httpx2.Request("GET", url))
+        raise RevisionNotFoundError("404 Revision Not Found", response=response)
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", no_such_revision)
+    with pytest.raises(FileNotFoundError, match=r"^The Hub model 'org/model-x' has no revision 'v2-typo' .*=\.$"):
+        load_patched("org/model-x", revision="v2-typo", cache_dir=tmp_path / "cache")
+    model = make_model("llama")
+    _patch(model, "self-extend-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    # offline, a model cached at main but not at the revision asked for
+    _hub_cache_snapshot(tmp_path / "cache", "me/tiny", folder)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="^The Hub cache has 'me/tiny', but not at revision 'v2'"):
+        load_patched("me/tiny", revision="v2", cache_dir=tmp_path / "cache")
+    # a subfolder: the folder named is the one without config.json
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(str(folder))} has no subfolder 'x'; check subfolder="):
+        load_patched(folder, subfolder="x")
+    (folder / "sub").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(str(folder / 'sub'))} has no config.json"):
+        load_patched(folder, subfolder="sub")
+    (folder / "sub").rmdir()
+    # restore=False on an attention-level patch: the fix named is restore_patch, not load_patched again
+    with caplog.at_level("WARNING"):
+        loaded = load_patched(folder, restore=False)
+    assert "hf_rope_ext.hub.restore_patch(model)" in caplog.text and "Load it with" not in caplog.text
+    assert get_patch_info(restore_patch(loaded)).method == "self-extend-yarn"

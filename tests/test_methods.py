@@ -333,3 +333,128 @@ def test_negative_zero_is_recorded_as_zero():
     model = patch_model(make_model("llama"), 4, method="dual-chunk", local_window=-0.0)
     saved = json.loads(model.config.to_json_string())["hf_rope_ext"]["params"]["local_window"]
     assert saved == 0 and math.copysign(1.0, saved) == 1.0
+
+
+# -- PatchSpec: a value that cannot change the patch it describes ---------------------------------
+
+
+def test_patch_info_is_read_only_and_independent_of_the_live_patch():
+    import dataclasses
+
+    from hf_rope_ext import get_patch_info, patched
+
+    # longrope: a parameter that is a list, which a shallow copy would share
+    long_factor = [1.0 + 0.5 * i for i in range(8)]  # the tiny llama rotates 16 dimensions
+    model = patch_model(make_model("llama"), 4, method="longrope", long_factor=long_factor)
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+    info = get_patch_info(model)
+    with pytest.raises(TypeError, match="read-only"):
+        info.params["long_factor"] = [1.0] * 8
+    with pytest.raises(TypeError, match="read-only"):
+        info.kept.update(partial_rotary_factor=0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.scale = 8.0
+    info.params["long_factor"][0] = 99.0  # a nested list: the handed-out copy's own
+    assert get_patch_info(model).params["long_factor"] == long_factor
+    with patched(model, 8, "linear"):  # exit puts the previous patch back
+        pass
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    assert model.config.hf_rope_ext["params"]["long_factor"] == long_factor
+
+
+def test_patch_specs_are_hashable_like_other_frozen_values():
+    from hf_rope_ext import PatchSpec, get_patch_info
+
+    model = patch_model(make_model("llama"), 4, method="longrope", long_factor=[1.0 + 0.5 * i for i in range(8)])
+    spec = get_patch_info(model)  # a list among its parameters
+    assert len({spec, get_patch_info(model)}) == 1 and hash(spec) == hash(get_patch_info(model))
+    # equal specs (16 == 16.0) hash alike; a different one is another set member
+    given_int = PatchSpec("dual-chunk", 4.0, 32, params={"chunk_size": 16})
+    given_float = PatchSpec("dual-chunk", 4.0, 32, params={"chunk_size": 16.0})
+    assert given_int == given_float and hash(given_int) == hash(given_float)
+    assert len({given_int, PatchSpec("dual-chunk", 4.0, 32, params={"chunk_size": 8})}) == 2
+
+
+def test_a_logn_suffix_in_the_constructor_turns_log_n_attention_on():
+    import dataclasses
+
+    from hf_rope_ext import PatchSpec, get_patch_info
+
+    spec = PatchSpec("yarn+logn", 4.0, 32)
+    assert (spec.method, spec.logn_attention, spec.label) == ("yarn", True, "yarn+logn")
+    model = make_model("llama")
+    spec.apply(model)
+    assert get_patch_info(model).label == "yarn+logn" and model.config.hf_rope_ext["logn_attention"] is True
+    plain = PatchSpec("yarn", 4.0, 32)
+    assert plain.logn_attention is False
+    with pytest.raises(ValueError, match="turns log-n attention on, but logn_attention=False") as error:
+        dataclasses.replace(plain, method="self-extend+logn", params={})  # the flag it carries says off
+    assert "\n" not in str(error.value)
+    assert dataclasses.replace(plain, method="self-extend", params={}, logn_attention=True).label == "self-extend+logn"
+
+
+def test_register_method_refuses_parameter_names_patch_model_takes_itself():
+    import inspect
+
+    import hf_rope_ext
+    from hf_rope_ext.runtimes import runtime_settings
+    from hf_rope_ext.spec import PatchSpec
+
+    keywords = {
+        parameter.name
+        for function in (patch_model, PatchSpec.create, runtime_settings)
+        for parameter in inspect.signature(function).parameters.values()
+        if parameter.kind is not parameter.VAR_KEYWORD
+    }
+    assert {"scale", "method", "max_length", "model", "rope_theta"} <= keywords
+    for name in sorted(keywords):
+        with pytest.raises(ValueError, match=rf"defaults must not contain \['{name}'\].*rename it") as error:
+            hf_rope_ext.register_method("clashing", _own_frequencies, defaults={name: 2.0})
+        assert "\n" not in str(error.value)
+    for key in (1, None, "beta-fast", ""):
+        with pytest.raises(TypeError, match="identifier strings"):
+            hf_rope_ext.register_method("clashing", _own_frequencies, defaults={key: 2.0})
+    assert "clashing" not in list_methods()
+
+
+def test_the_constructor_rounds_the_scale_to_whole_tokens_as_patch_model_does():
+    from hf_rope_ext import PatchSpec, get_patch_info
+
+    spec = PatchSpec("yarn", 3.3, 32)  # 105.6 tokens -> 106
+    assert spec.scale == 106 / 32 and spec.extended_context == 106
+    model = make_model("llama")
+    spec.apply(model)
+    assert model.config.max_position_embeddings == 106 and model.config.rope_parameters["factor"] * 32 == 106
+    assert get_patch_info(model).scale == 106 / 32
+    with pytest.raises(ValueError, match="less than half a token; the smallest extension is") as error:
+        PatchSpec("yarn", 1.0000001, 32)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="less than half a token"):
+        PatchSpec("yarn", 1 + 1e-12, 32)
+    assert PatchSpec("linear", (2**31 - 1) / 13, 13).extended_context == 2**31 - 1  # whole already: kept
+    # a record from before the rule keeps its scale (README): its context is rounded up
+    record = PatchSpec.create("yarn", 4, original_max_length=32, rope_theta=10000.0).to_record()
+    legacy = PatchSpec.from_record({**record, "scale": 3.3})
+    assert legacy.scale == 3.3 and legacy.extended_context == 106
+    assert legacy.bound_to(16, 10000.0, {}).scale == 3.3
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"kept": None}, "kept must be a mapping"),
+        ({"kept": 5}, "kept must be a mapping"),
+        ({"kept": {1: 0.5}}, "kept must be a mapping"),
+        ({"module_name": 5}, "module_name must be a string"),
+        ({"logn_attention": 1}, "logn_attention must be True or False"),
+    ],
+)
+def test_patch_spec_fields_of_the_wrong_type_are_refused_in_one_line(fields, message):
+    from hf_rope_ext import PatchSpec
+
+    with pytest.raises(TypeError, match=message) as error:
+        PatchSpec("yarn", 4.0, 32, **fields)
+    assert "\n" not in str(error.value)

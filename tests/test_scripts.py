@@ -159,6 +159,36 @@ def test_check_vllm_refuses_counts_below_one_before_anything_else(option, value,
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {option} must be at least 1, got {value}")
 
 
+# 6b. An option given twice is refused (hf_rope_ext's ArgumentParser), not the last value silently taken.
+def test_check_vllm_refuses_an_option_given_twice_before_anything_else(monkeypatch, capsys):
+    module = script("check_vllm")
+    monkeypatch.setattr(module, "preflight", lambda: pytest.fail("the arguments were not checked first"))
+    with pytest.raises(SystemExit) as stopped:
+        module.main(["--tokens", "4096", "--tokens", "8192"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith("error: --tokens given twice; give it once")
+
+
+def test_compare_kernel_outputs_refuses_an_option_given_twice_before_loading(tiny, monkeypatch, capsys):
+    last = _refused_before_loading(script("compare_kernel_outputs"), [str(tiny / "model"), "--tokens", "64",
+                                   "--tokens", "128"], monkeypatch, capsys)  # fmt: skip
+    assert last == "compare_kernel_outputs.py: error: --tokens given twice; give it once"
+
+
+@pytest.mark.parametrize("name", ["check_vllm", "compare_kernel_outputs", "time_remapped_attention"])
+def test_scripts_run_with_an_hf_rope_ext_without_the_given_once_parser(name, monkeypatch):
+    """check_vllm's --worker runs where hf_rope_ext is not installed, and the other two are run with
+    another checkout on PYTHONPATH (gpu_attention_speed.sh OTHER, --save): argparse's parser then."""
+    import argparse
+
+    import hf_rope_ext.arguments
+
+    monkeypatch.delattr(hf_rope_ext.arguments, "ArgumentParser")  # an hf_rope_ext from before it
+    assert script(name).ArgumentParser is argparse.ArgumentParser
+
+
 # 7. The GPU sweep and profile scripts start minutes of work; --help and a machine without CUDA stop first.
 @pytest.mark.parametrize("name", ["gpu_kernel_blocks", "gpu_profile_attention", "time_cache_record"])
 def test_timing_scripts_answer_help_and_refuse_unknown_options_without_work(name, monkeypatch, capsys):

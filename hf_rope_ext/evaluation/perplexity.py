@@ -28,6 +28,7 @@ run on ``chunk_size`` positions at a time, so a 100k-token input never holds a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import weakref
@@ -193,7 +194,8 @@ def token_losses(
     One forward of the decoder over the whole sequence (the model's RoPE sees the whole length,
     which matters for length-dependent methods), then the LM head and cross-entropy on
     ``chunk_size`` positions at a time. Returns a float32 CPU tensor of
-    ``len(input_ids) - first_target`` losses.
+    ``len(input_ids) - first_target`` losses. The model is measured in eval mode (no dropout) and
+    left in its own modes.
 
     Args:
         model: a causal LM (``*ForCausalLM``, possibly patched or wrapped by peft).
@@ -216,6 +218,26 @@ def token_losses(
         raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}.")
     decoder, head = _decoder_and_head(model)
     device = _input_device(model)
+    with _eval_mode(model):
+        return _token_losses(model, decoder, head, device, ids, first_target, chunk_size, position_ids)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    """Every module in eval mode during a measurement (with dropout on, a loss is noise), each
+    module's own mode put back afterwards, also when it fails."""
+    modes = {module: module.training for module in model.modules()}
+    try:
+        for module in modes:
+            module.training = False
+        yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
+
+
+def _token_losses(model, decoder, head, device, ids, first_target, chunk_size, position_ids) -> torch.Tensor:
+    length = ids.shape[0]
     _verify_head(model, decoder, head, device)
     extra = {}
     if position_ids is not None:
