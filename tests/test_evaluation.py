@@ -79,6 +79,19 @@ def test_chunked_loss_equals_full_logits_loss(family, chunk_size):
     torch.testing.assert_close(tail.double(), expected[29:], atol=1e-5, rtol=1e-5)
 
 
+def test_token_losses_of_a_model_in_training_mode_are_measured_without_dropout():
+    """A model left in training mode (dropout on) is scored in eval mode, as its eval-mode logits
+    give, and every module gets its own mode back."""
+    model = make_model("llama", attention_dropout=0.5)
+    patch_model(model, 2, "yarn")
+    ids = random_ids(50)[0]
+    expected = reference_losses(model, ids)  # eval mode: the model's own logits, float64 cross-entropy
+    model.train()
+    model.model.layers[0].eval()  # mixed modes come back as they were
+    torch.testing.assert_close(token_losses(model, ids, chunk_size=7).double(), expected, atol=1e-5, rtol=1e-5)
+    assert model.training and model.model.layers[1].training and not model.model.layers[0].training
+
+
 def test_chunked_loss_of_an_accelerate_offloaded_model():
     """Offloaded weights sit on the meta device; the input goes where accelerate runs the model."""
     from accelerate import cpu_offload
