@@ -45,6 +45,7 @@ import inspect
 import logging
 import math
 import os
+import re
 import sys
 import threading
 import uuid
@@ -1306,7 +1307,6 @@ class _ForwardContext:
     """What one forward of the model decided for all its layers: whether the remap beyond the
     settle length applies (read from the rotary module's length) and the cache geometry of its calls."""
 
-    serial: int  # which forward (AttentionPatch.forward_serial when it was read)
     beyond_settle: bool
     geometry: dict
 
@@ -1409,11 +1409,10 @@ class AttentionPatch:
     saved_lengths: list = field(default_factory=list)
     # the cache geometry of each enclosing forward (a forward run by a hook inside another)
     saved_geometries: list = field(default_factory=list)
-    # The _ForwardContext of each forward, by the position_ids tensor its layers receive (weakly):
-    # gradient checkpointing recomputes a layer during backward with that forward's own arguments,
-    # after later forwards (an evaluation, another loss term) have set the length and geometry.
+    # The _ForwardContext of each forward with gradients, by the position_ids tensor of its own its
+    # layers receive (weakly): gradient checkpointing recomputes a layer during backward with that
+    # forward's arguments, after later forwards (an evaluation, another loss term) set the state.
     forward_contexts: WeakTensorKeyDictionary = field(default_factory=WeakTensorKeyDictionary)
-    forward_serial: int = 0  # counts the forwards started (a context of an earlier one is not reused inside a later one)
     hooks: list = field(default_factory=list)  # the model's forward hooks (before_forward, after_forward)
     # the caches this patch filled, and where it left each (tokens, each row's last position)
     filled: FilledCaches = field(default_factory=FilledCaches)
@@ -1472,19 +1471,19 @@ class AttentionPatch:
     def _forward_context(self, position_ids: Any) -> _ForwardContext:
         """The regime and cache geometry of the forward this attention call belongs to.
 
-        Inside a forward of the model they are read as that forward set them (once, at its first
-        layer). Outside one, a call with a forward's own ``position_ids`` tensor is that forward's
-        layer recomputed by gradient checkpointing during backward: it gets what its forward read,
-        not what later forwards left. Any other call (a layer run on its own) reads the current state.
+        A forward with gradients gets a ``position_ids`` tensor of its own (see
+        :func:`_own_position_ids`); its first layer records what the forward set, under that
+        tensor. Its other layers, and the same layers recomputed by gradient checkpointing during
+        backward (after other forwards changed the current state), find that record. Any other
+        call (without gradients, or a layer run on its own) reads the current state.
         """
         keyed = isinstance(position_ids, torch.Tensor)
         known = self.forward_contexts.get(position_ids) if keyed else None
-        inside = threading.get_ident() in self.forward_threads.depths
-        if known is not None and (known.serial == self.forward_serial or not inside):
+        if known is not None:
             return known
         beyond = self.remap_applies is None or bool(self.remap_applies())
-        context = _ForwardContext(self.forward_serial, beyond, dict(self.geometry))
-        if keyed and inside:
+        context = _ForwardContext(beyond, dict(self.geometry))
+        if keyed and torch.is_grad_enabled() and threading.get_ident() in self.forward_threads.depths:
             self.forward_contexts[position_ids] = context
         return context
 
@@ -1656,7 +1655,7 @@ class AttentionPatch:
             max_distance=max_distance,
         )
 
-    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Forward pre-hook of the model.
 
         The geometry recorded by :meth:`mask` belongs to one forward: a forward whose mask
@@ -1672,7 +1671,15 @@ class AttentionPatch:
         """
         self._start_forward(module)
         self.geometry.clear()
+        if torch.is_grad_enabled():
+            args, kwargs = _own_position_ids(module, args, kwargs)
         arguments = _forward_arguments(module, args, kwargs)
+        self._check_cache_continuation(module, args, kwargs, arguments)
+        return args, kwargs
+
+    def _check_cache_continuation(self, module: nn.Module, args: tuple, kwargs: dict, arguments: Any) -> None:
+        """Read the geometry of masks given by layer type, refuse a cache filled otherwise, and
+        refuse positions that do not continue the cache (see :meth:`before_forward`)."""
         name, cache, positions = _cache_and_positions(module, args, kwargs, arguments=arguments)
         if cache is None:
             return
@@ -1703,7 +1710,6 @@ class AttentionPatch:
 
     def _start_forward(self, module: nn.Module) -> None:
         """Count this thread's forward in; refuse it while another thread runs one of this model."""
-        self.forward_serial += 1
         if self.forward_threads.enter(module) == 1:
             self.saved_lengths.clear()  # none can be under way: left by an interrupted forward
             self.saved_geometries.clear()
@@ -1874,6 +1880,23 @@ def _forward_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str
         return compat.call_arguments(signature, args, kwargs)
     except TypeError:
         return None
+
+
+def _own_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call with a copy of the caller's ``position_ids``, if it gives them: a forward with
+    gradients records its regime under the tensor its layers receive (see
+    ``AttentionPatch._forward_context``), which must be its own. A caller's tensor may be given to
+    several forwards, or refilled in place, before the backward that recomputes the first one."""
+    if isinstance(kwargs.get("position_ids"), torch.Tensor):
+        return args, {**kwargs, "position_ids": kwargs["position_ids"].clone()}
+    signature = _FORWARD_SIGNATURES.get(type(module))
+    if signature is None:
+        signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(module.forward)
+    names = list(signature.parameters)
+    index = names.index("position_ids") if "position_ids" in names else None
+    if index is not None and index < len(args) and isinstance(args[index], torch.Tensor):
+        return (*args[:index], args[index].clone(), *args[index + 1:]), kwargs
+    return args, kwargs
 
 
 def _cache_and_positions(module: nn.Module, args: tuple, kwargs: dict, output: Any = None,
@@ -2065,6 +2088,16 @@ def _registry_name(implementation: str) -> str:
     # Unique to one model; the original name inside, so that transformers' checks by name ("flash"
     # in it) still see the model's kind.
     return f"hf_rope_ext_{uuid.uuid4().hex[:12]}_{implementation}"
+
+
+_REGISTRY_NAME = re.compile(r"hf_rope_ext_[0-9a-f]{12}_(\w+)")
+
+
+def implementation_behind(name: Any) -> str | None:
+    """The model's own attention implementation inside a patch's registry name (None: ``name`` is
+    not one): a config copied from a patched model names that model's patch."""
+    match = _REGISTRY_NAME.fullmatch(name) if isinstance(name, str) else None
+    return None if match is None else match.group(1)
 
 
 def _register(patch: AttentionPatch) -> None:

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import numbers
+import os
 import re
 import sys
 import time
@@ -110,8 +111,9 @@ def check_configurations(
     attention implementation) fails here, in one ``ValueError`` that names the configuration,
     rather than after the forwards that came before it. ``"none"`` (the unpatched model) is not
     patched. Afterwards, also when a configuration is refused, the model has the patch it had
-    before (or none). ``original_max_length`` as in ``patch_model``. Returns the parsed
-    ``(method, params)`` pairs.
+    before (or none), with the same config object and values (changes made since patching are
+    kept). ``original_max_length`` as in ``patch_model``. Returns the parsed ``(method, params)``
+    pairs.
     """
     from .patching import _patch_to_put_back, _put_back, patch_model, unpatch_model
 
@@ -192,7 +194,7 @@ class AutoChoice:
     scores: tuple[CandidateScore, ...]
     calibration_sha256: str
     from_cache: bool = False
-    cache_path: str | None = field(default=None, compare=False)
+    cache_path: str | None = field(default=None, compare=False)  # the file holding it (None: not cached)
 
     def table(self) -> str:
         """The numbers behind the choice, as a markdown table."""
@@ -386,9 +388,10 @@ def choose_configuration(
         candidates: ``"all"``, ``"servable"`` or a list of ``"method[:key=value,...]"``.
         objective: ``"all"`` (mean loss of every position) or ``"beyond"`` (positions past the
             native context only).
-        cache: read and write the per-model cache; ``cache_path`` overrides its file, which must
-            be missing or a cache written here (anything else is refused, never overwritten).
-            Candidate lists with a user-registered method are not cached.
+        cache: read and write the per-model cache; ``cache_path`` (``~`` expanded; refused with
+            ``cache=False``) overrides its file, which must be missing or a cache written here
+            (anything else is refused, never overwritten). Candidate lists with a
+            user-registered method are not cached.
         progress: show a progress bar over the candidates.
 
     The candidates are checked (as :func:`hf_rope_ext.patch_model` checks them, in the model's
@@ -407,9 +410,17 @@ def choose_configuration(
         raise TypeError(f"cache must be True or False, got {cache!r}.")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {progress!r}.")
-    if cache and cache_path is not None and (problem := _not_a_cache(Path(cache_path))) is not None:
-        raise ValueError(f"cache_path {cache_path} {problem}; it would be overwritten: give a new file name or the "
-                         f"path of a cache written here.")  # fmt: skip
+    if cache_path is not None:
+        if not cache:
+            raise ValueError(f"cache_path={str(cache_path)!r} was given with cache=False, which neither reads nor "
+                             "writes it; drop cache_path to measure without a cache, or cache=False to use that "
+                             "file.")  # fmt: skip
+        if not isinstance(cache_path, (str, os.PathLike)):
+            raise TypeError(f"cache_path must be a file path (str or pathlib.Path), got {cache_path!r}.")
+        cache_path = Path(cache_path).expanduser()  # as HF_ROPE_EXT_CACHE is
+        if (problem := _not_a_cache(cache_path)) is not None:
+            raise ValueError(f"cache_path {cache_path} {problem}; it would be overwritten: give a new file name or the "
+                             f"path of a cache written here.")  # fmt: skip
     ids = _calibration_tensor(calibration_ids)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     vocabulary = getattr(embeddings, "num_embeddings", None)
@@ -490,21 +501,21 @@ def choose_configuration(
                 None if mean_inside is None else math.exp(mean_inside), math.exp(mean_beyond), seconds,
             ))  # fmt: skip
         best = min(range(len(scores)), key=lambda index: scores[index].mean_loss)  # first of equals
-        method, params = parse_configuration(scores[best].configuration)
+        chosen = scores[best].configuration
+        entry = {"chosen": chosen, "scores": [asdict(score) for score in scores]}
+        written = path is not None and _write_cache_entry(path, key, entry, user_file=cache_path is not None)
+        method, params = parse_configuration(chosen)
         choice = AutoChoice(
-            chosen=scores[best].configuration, method=method, params=params, scale=resolved_scale, length=length,
+            chosen=chosen, method=method, params=params, scale=resolved_scale, length=length,
             original_length=original_length, objective=objective, scores=tuple(scores),
-            calibration_sha256=key_fields["calibration_sha256"], cache_path=None if path is None else str(path),
+            calibration_sha256=key_fields["calibration_sha256"], cache_path=str(path) if written else None,
         )  # fmt: skip
-        if path is not None:
-            _write_cache_entry(path, key, {"chosen": choice.chosen, "scores": [asdict(score) for score in scores]},
-                               user_file=cache_path is not None)  # fmt: skip
         logger.info("Calibration:\n%s", choice.table())
         return choice
     finally:
         for module, training in modes.items():
             module.training = training
-        _put_back(model, previous)  # in the caller's mode: a new rotary module takes its mode
+        _put_back(model, previous)  # its patch, with the config object and rotary mode it had
 
 
 def _autocast_state(model: nn.Module) -> dict[str, str | None]:
@@ -526,8 +537,9 @@ def _autocast_state(model: nn.Module) -> dict[str, str | None]:
     return state
 
 
-def _write_cache_entry(path: Path, key: str, entry: dict[str, Any], *, user_file: bool) -> None:
-    """Add ``entry`` to the cache file, keeping the entries other processes wrote meanwhile."""
+def _write_cache_entry(path: Path, key: str, entry: dict[str, Any], *, user_file: bool) -> bool:
+    """Add ``entry`` to the cache file, keeping the entries other processes wrote meanwhile.
+    Returns whether it was written (a failure is logged: the measurements stand)."""
     from .files import folder_lock
 
     try:
@@ -539,12 +551,14 @@ def _write_cache_entry(path: Path, key: str, entry: dict[str, Any], *, user_file
                 # replaced by something else while measuring: the user's file is kept, the choice is not cached
                 logger.warning("Not writing the calibration cache %s: it %s now; this choice is not cached.", path,
                                problem)  # fmt: skip
-                return
+                return False
             entries = _read_cache(path, report=False)
             entries[key] = entry
             atomic_write_json(path, {"entries": entries})
+        return True
     except OSError as error:  # the measurements stand; only the cache is lost
         logger.warning("Could not write the calibration cache %s (%s); this choice is not cached.", path, error)
+        return False
 
 
 # -- hf-rope-ext auto ------------------------------------------------------------------------------

@@ -181,22 +181,28 @@ def output_cache(output: Any) -> Any:
 def planned_generation_length(model: Any, args: tuple, kwargs: dict) -> int:
     """The sequence length a ``model.generate(*args, **kwargs)`` call can reach.
 
-    Resolved as transformers' ``generate`` resolves it (``_prepare_generation_config`` and
-    ``_prepare_generated_length``): each of ``max_new_tokens`` and ``max_length`` comes from the
-    call, else a ``generation_config`` passed to it, else the model's own; ``max_new_tokens`` wins.
-    Without either, transformers' default ``max_length`` (20) counts new tokens after the prompt,
-    capped at the ``config.max_position_embeddings`` the call reads: the patch's extended context,
-    which the planning ``generate`` puts there for the call (see ``cache_consistency``).
+    The arguments are read as the model's ``generate`` binds them (a ``generation_config`` passed
+    second positionally included), and the length resolved as transformers resolves it
+    (``_prepare_generation_config`` and ``_prepare_generated_length``): each of ``max_new_tokens``
+    and ``max_length`` comes from the call, else a ``generation_config`` passed to it, else the
+    model's own; ``max_new_tokens`` wins. Without either, transformers' default ``max_length`` (20)
+    counts new tokens after the prompt, capped at the ``config.max_position_embeddings`` the call
+    reads: the patch's extended context, which the planning ``generate`` puts there for the call
+    (see ``cache_consistency``). Prompt-lookup decoding verifies candidates past that length, which
+    the plan covers too (``_candidates_past_max_length``).
     """
-    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    embeds = kwargs.get("inputs_embeds")
+    arguments = _generate_arguments(model, args, kwargs)
+    inputs = arguments.get("inputs")
+    if inputs is None:  # as _prepare_model_inputs: the model's input name stands in for inputs=None
+        inputs = arguments.get(getattr(model, "main_input_name", "input_ids"))
+    embeds = arguments.get("inputs_embeds")
     ids_width = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else 0
     embeds_width = embeds.shape[1] if isinstance(embeds, torch.Tensor) and embeds.dim() >= 2 else None
-    configs = [kwargs.get("generation_config"), getattr(model, "generation_config", None)]
+    configs = [arguments.get("generation_config"), getattr(model, "generation_config", None)]
 
     def setting(name: str) -> Any:
-        if name in kwargs:  # generate sets the config from its keywords, None included
-            return kwargs[name]
+        if name in arguments:  # generate sets the config from its keywords, None included
+            return arguments[name]
         return next((getattr(config, name) for config in configs if getattr(config, name, None) is not None), None)
 
     max_new_tokens, max_length = setting("max_new_tokens"), setting("max_length")
@@ -212,7 +218,35 @@ def planned_generation_length(model: Any, args: tuple, kwargs: dict) -> int:
         context = _context_during_generate(model)
         if context is not None:
             final = min(final, context)
+    final += _candidates_past_max_length(setting)
     return max(final + extra, ids_width + extra)
+
+
+def _generate_arguments(model: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A ``generate`` call's arguments by name, bound to the model class's ``generate`` as it binds
+    them. Arguments that do not bind are left for ``generate`` to refuse: the first positional one is
+    then read as the inputs, the others not at all."""
+    generate = getattr(type(model), "generate", None)
+    try:
+        return call_arguments(inspect.signature(generate.__get__(model)), args, kwargs)
+    except (TypeError, ValueError, AttributeError):  # no generate, no signature, or arguments that do not bind
+        return {**kwargs, "inputs": args[0]} if args else dict(kwargs)
+
+
+def _candidates_past_max_length(setting: Any) -> int:
+    """How far past ``max_length`` a call's verification forwards can reach.
+
+    ``PromptLookupCandidateGenerator`` (transformers/generation/candidate_generator.py) proposes up
+    to ``prompt_lookup_num_tokens`` candidates from any length up to ``max_length - 2`` (its cap on
+    ``max_length`` bounds where it copies from, not where the copies land), and the main model scores
+    them all in one forward: up to ``max_length - 2 + prompt_lookup_num_tokens`` tokens. Assistant
+    models' candidates stop at ``max_length - 1`` (``_calculate_new_tokens``), and early exit, which
+    wins over prompt lookup, is such an assistant.
+    """
+    lookup = setting("prompt_lookup_num_tokens")
+    if lookup is None or setting("assistant_early_exit") is not None:
+        return 0
+    return max(int(lookup) - 2, 0)
 
 
 def _default_max_length() -> int:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
+import inspect
 import json
 import logging
 import math
@@ -37,12 +39,14 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from . import compat, config_io
+from .attention import implementation_behind
 from .files import atomic_directory, restore_interrupted_save
 from .patching import find_rotary_module, get_patch_info, no_call_under_way, owner_and_attribute
 from .runtimes import RuntimeCommand, RuntimeSettings, describe_patch, runtime_settings  # noqa: F401  (moved there)
@@ -84,6 +88,8 @@ _TOKENIZER_CONFIG = "tokenizer_config.json"
 # inside save_pretrained, before save_patched completes and checks config.json (and delete no old
 # shards); without push_to_hub it ignores the others.
 _SAVE_PRETRAINED_PUSH_KWARGS = ("push_to_hub", "repo_id", "commit_message", "create_pr", "private", "token")
+# save_patched's own keyword arguments, which push_patched_to_hub passes on through its **save_kwargs.
+_SAVE_PATCHED_OWN_KWARGS = ("tokenizer", "card", "card_assets", "legacy_fields")
 # The repo ids a card's loading instructions name (model_card.md: load_patched("...") and from_pretrained("...")).
 _CARD_LOADED_REPO = re.compile(r'(?:load_patched|from_pretrained)\("([^"\n]+)"\)')
 
@@ -152,7 +158,8 @@ def save_patched(
             the same logits with transformers 4.57), with YaRN's ``attention_factor`` also as the
             ``attn_factor`` older vLLM releases read. transformers 5 reads both spellings to the
             same ``rope_parameters``, giving ``rope_scaling`` priority: edit both or neither.
-        **save_kwargs: passed to ``model.save_pretrained`` (e.g. ``max_shard_size``).
+        **save_kwargs: passed to ``model.save_pretrained``: the keyword arguments its signature
+            names (``max_shard_size``, ``variant``, ...). Others, which it would ignore, are refused.
 
     Everything is written to a staging folder (beside a new target, inside an existing one) and
     checked (the saved config is read back and verified) before its files replace the target's
@@ -175,6 +182,7 @@ def _save_patched(model: nn.Module, save_directory: str | os.PathLike, *, tokeni
             "This is a peft model: saving it would store the adapter only. Merge it first "
             "(model = model.merge_and_unload()) and save the merged model."
         )
+    _refuse_unknown_save_kwargs(model, save_kwargs, "save_patched")
     if callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is None:
         raise ValueError(
             f"{type(model).__name__} has no language-model head: a checkpoint of it loads as a causal LM with a random "
@@ -268,6 +276,34 @@ def _refuse_push_kwargs(save_kwargs: dict) -> None:
             "unfinished folder itself); to upload, call hf_rope_ext.hub.push_patched_to_hub(model, repo_id, ...), "
             "which takes token=, private=, commit_message= and create_pr=."
         )
+
+
+def _refuse_unknown_save_kwargs(model: nn.Module, save_kwargs: dict, caller: str) -> None:
+    """Refuse a keyword argument that ``model.save_pretrained`` does not name in its signature: its
+    ``**kwargs`` are read only for its own push (refused above), so any other key (a misspelt
+    ``max_shard_sise``, ``safe_serialization`` that transformers 5 removed) would be dropped silently."""
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if not callable(save_pretrained) or not save_kwargs:
+        return
+    parameters = inspect.signature(save_pretrained).parameters.values()
+    passed_on = [parameter.name for parameter in parameters if parameter.kind is not parameter.VAR_KEYWORD
+                 and parameter.name not in ("save_directory", *_SAVE_PRETRAINED_PUSH_KWARGS)]
+    # push_patched_to_hub hands its **save_kwargs to save_patched, which takes its own as well
+    accepted = passed_on + list(_SAVE_PATCHED_OWN_KWARGS) if caller == "push_patched_to_hub" else passed_on
+    if save_kwargs.get("is_main_process", True) is not True:
+        # save_pretrained then writes no config.json, which the patch's record lives in
+        raise ValueError(
+            f"{caller} writes a whole checkpoint and takes no is_main_process={save_kwargs['is_main_process']!r}; "
+            "call it on the main process only (if accelerator.is_main_process: ...)."
+        )
+    for key in save_kwargs:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, [*passed_on, *_SAVE_PATCHED_OWN_KWARGS], n=1)
+            raise TypeError(
+                f"{caller} got an unexpected keyword argument {key!r} ({type(model).__name__}.save_pretrained would "
+                f"ignore it); {f'did you mean {close[0]}=? ' if close else ''}the keyword arguments passed on to "
+                f"save_pretrained are {', '.join(passed_on)}."
+            )
 
 
 def _names_a_file(path: str | os.PathLike) -> bool:
@@ -503,6 +539,7 @@ def push_patched_to_hub(
             "push_patched_to_hub uploads the checked folder itself; leave out push_to_hub (save_pretrained would push "
             "the unfinished one)."
         )
+    _refuse_unknown_save_kwargs(model, save_kwargs, "push_patched_to_hub")
     recorded = _recorded_patch(model)
     if card is not None:
         card = _card_for_repo(card, repo_id)
@@ -655,7 +692,7 @@ def read_checked_config(name_or_path: str | os.PathLike, **config_kwargs: Any):
         ) from None
 
 
-def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **from_pretrained_kwargs: Any) -> nn.Module:
+def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **from_pretrained_kwargs: Any) -> Any:
     """Load a causal LM saved from a patched model, by folder or Hub repo id.
 
     The config is read and its ``hf_rope_ext`` record checked before the model is built, so
@@ -663,11 +700,13 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
     With ``restore=True`` (default) the patch is rebuilt with :func:`restore_patch`;
     ``restore=False`` returns what ``from_pretrained`` built. A checkpoint without a record
     loads as plain transformers loads it. ``config=`` may be a ``PretrainedConfig`` or the
-    folder or Hub id of one, read and checked like the checkpoint's own. Keyword arguments
-    that are config attributes (``use_cache=False``) are set on that config, as
+    folder or Hub id of one, read and checked like the checkpoint's own; a patched model's
+    config is used with that model's own attention implementation, not its patch's. Keyword
+    arguments that are config attributes (``use_cache=False``) are set on that config, as
     ``from_pretrained`` does; those that would change the RoPE fields the record describes
-    (``rope_parameters``, ``max_position_embeddings``, ...) are refused. Other keyword
-    arguments go to ``from_pretrained``.
+    (``rope_parameters``, ``max_position_embeddings``, ...) are refused, those equal to the
+    config's values are not. Other keyword arguments go to ``from_pretrained``; with
+    ``output_loading_info=True`` the result is ``(model, loading_info)``, as there.
     """
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -677,17 +716,22 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
     restore_interrupted_save(name_or_path)  # a save killed half way leaves neither version until then
     model_kwargs = dict(from_pretrained_kwargs)
     config = model_kwargs.pop("config", None)
+    given_config = config if config is None or isinstance(config, (str, os.PathLike)) else type(config).__name__
     config_kwargs = {key: model_kwargs[key] for key in _CONFIG_KWARGS if key in model_kwargs}
     if config is None or isinstance(config, (str, os.PathLike)):
         config = read_checked_config(name_or_path if config is None else expand_home(config), **config_kwargs)
     elif isinstance(config, PretrainedConfig):
         config = copy.deepcopy(config)  # the overrides below are for this load, not the caller's object
+        # A patched model's config names that model's attention patch, which the new model is no part of.
+        own = implementation_behind(getattr(config, "_attn_implementation", None))
+        if own is not None:
+            config._attn_implementation = own
     else:
         raise TypeError(
             f"config must be a PretrainedConfig or the folder or Hub id of one, got {type(config).__name__}."
         )
     recorded = config_io.verify_record(config)
-    changed_rope = [key for key in model_kwargs if key in _ROPE_FIELDS]
+    changed_rope = [key for key in model_kwargs if key in _ROPE_FIELDS and _changes(config, key, model_kwargs[key])]
     if recorded is not None and changed_rope:
         raise ValueError(
             f"load_patched({', '.join(f'{key}=...' for key in changed_rope)}) would change the RoPE fields that the "
@@ -702,8 +746,14 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
     # only it rebuilds) must reach the user. With one, that warning names load_patched: restore
     # rebuilds the attention, and restore=False gets the warning below, which names the fix.
     with config_io.restoring_patch() if recorded is not None else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, **model_kwargs)
-    if recorded is None:
+        loaded = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, **model_kwargs)
+    # output_loading_info=True: from_pretrained returns (model, loading_info), given back as it is
+    model = loaded[0] if model_kwargs.get("output_loading_info") else loaded
+    if recorded is None and given_config is not None:
+        logger.info("The config= given (%s) has no hf_rope_ext record, so %s was loaded as transformers reads it with "
+                    "that config (a record in the checkpoint's own config.json is not read).",
+                    given_config, name_or_path)  # fmt: skip
+    elif recorded is None:
         logger.info("%s has no hf_rope_ext record; loaded as transformers reads it.", name_or_path)
     elif restore:
         restore_patch(model)
@@ -714,4 +764,17 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
             "hf_rope_ext.hub.restore_patch(model) on it, or load with restore=True.",
             name_or_path, recorded.label, recorded.original_max_position_embeddings,
         )  # fmt: skip
-    return model
+    return loaded
+
+
+def _changes(config: Any, key: str, value: Any) -> bool:
+    """Whether ``setattr(config, key, value)``, which from_pretrained does, changes the config: a value
+    equal to the checkpoint's does not (``rope_scaling`` is compared as transformers reads it, into
+    ``rope_parameters``). A key the config has no attribute for counts as a change."""
+    if not hasattr(config, key):
+        return True
+    trial = copy.deepcopy(config)
+    with warnings.catch_warnings():  # transformers' FutureWarning for rope_scaling: given once, when it is set
+        warnings.simplefilter("ignore", FutureWarning)
+        setattr(trial, key, value)
+    return trial.to_dict() != config.to_dict()

@@ -185,17 +185,27 @@ def check_hub_model(name: str, *, revision: str | None = None, token: Any = None
     if isinstance(cached, str):  # transformers reads it from the cache, with or without a connection
         return
     if local_files_only or constants.is_offline_mode():
-        at_default = revision is not None and isinstance(
-            try_to_load_from_cache(name, "/".join(filter(None, (subfolder, "config.json"))), cache_dir=cache_dir), str
-        )
-        if at_default:  # the model is there, at another revision: the revision is what to check
+        configs = ("config.json", f"{subfolder}/config.json") if subfolder else ("config.json",)
+
+        def is_cached(at_revision: str | None) -> bool:  # the repository's own config.json, or the subfolder's
+            return any(isinstance(try_to_load_from_cache(name, file, cache_dir=cache_dir, revision=at_revision), str)
+                       for file in configs)
+
+        offline = "(offline: HF_HUB_OFFLINE or local_files_only)"
+        if revision is not None and not is_cached(revision) and is_cached(None):
+            # the model is there, at another revision: the revision is what to check
             raise FileNotFoundError(
-                f"The Hub cache has {name!r}, but not at revision {revision!r} (offline: HF_HUB_OFFLINE or "
-                "local_files_only). Check revision=, or download that revision with a connection."
+                f"The Hub cache has {name!r}, but not at revision {revision!r} {offline}. Check revision=, or download "
+                "that revision with a connection."
+            )
+        if subfolder and is_cached(revision):  # the model is there, without that subfolder
+            at = "" if revision is None else f" at revision {revision!r}"
+            raise FileNotFoundError(
+                f"The Hub cache has {name!r}{at}, but no subfolder {subfolder!r} in it {offline}. Check subfolder=, or "
+                "download it with a connection."
             )
         raise FileNotFoundError(
-            f"{where}, and it is not in the Hub cache (offline: HF_HUB_OFFLINE or local_files_only). Check the path, "
-            "or download it with a connection."
+            f"{where}, and it is not in the Hub cache {offline}. Check the path, or download it with a connection."
         )
     try:  # one request; transformers would retry an unreachable Hub for about 25 s
         HfApi().model_info(name, revision=revision, token=token)

@@ -739,8 +739,9 @@ def register_method(
     letters, digits, ``_``, ``.`` and ``-``. Raises ``ValueError`` if the name is taken (call
     :func:`unregister_method` first to replace a user method; built-in methods cannot be replaced).
     The keys of ``defaults`` are the parameters' names: identifiers, other than the keywords
-    ``patch_model``, ``PatchSpec.create`` and ``runtime_settings`` take themselves (``scale``,
-    ``method``, ``rope_theta``, ...), which could never reach the method.
+    ``patch_model``, ``PatchSpec.create``, ``describe_patch`` and ``runtime_settings`` take
+    themselves (``scale``, ``method``, ``rope_theta``, ``partial_rotary_factor``, ...), which could
+    never reach the method.
     """
     if not isinstance(name, str) or not name or name != name.strip():
         raise ValueError(f"Method name must be a non-empty string without surrounding spaces, got {name!r}.")
@@ -776,8 +777,8 @@ def register_method(
     clash = set(defaults) & set(_reserved_keywords())
     if clash:
         raise ValueError(
-            f"defaults must not contain {sorted(clash)}: patch_model (or PatchSpec.create, runtime_settings) takes "
-            "keywords of these names itself, so the parameter could never be given; rename it."
+            f"defaults must not contain {sorted(clash)}: patch_model (or PatchSpec.create, describe_patch, "
+            "runtime_settings) takes keywords of these names itself, so the parameter could never be given; rename it."
         )
     for key, value in defaults.items():
         if value is not REQUIRED:
@@ -964,13 +965,16 @@ def _patch_keywords() -> tuple[str, ...]:
 
 @functools.cache
 def _reserved_keywords() -> tuple[str, ...]:
-    """The keywords of the functions that also take a method's parameters as ``**params``: a method
-    parameter of one of these names could not be passed to them."""
-    from .patching import patch_model
-    from .runtimes import runtime_settings
+    """The keywords of the public functions that also take a method's parameters as ``**params``
+    (or pass them on to one that does): a method parameter of one of these names could not be
+    passed to them."""
+    from .patching import patch_model, patched
+    from .runtimes import describe_patch, runtime_settings
     from .spec import PatchSpec
 
-    return _keywords_of(patch_model, PatchSpec.create, runtime_settings)
+    # create's underlying function: the classmethod's signature hides `cls`, which
+    # PatchSpec.create(..., cls=2) (and patch_model, through it) still refuses as given twice
+    return _keywords_of(patch_model, patched, PatchSpec.create.__func__, describe_patch, runtime_settings)
 
 
 def _attention():

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import difflib
 import logging
+import numbers
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -268,29 +271,45 @@ def _keeping_the_patch_on_error(model: nn.Module) -> Iterator[None]:
         yield
     except BaseException:
         if previous is not None and not _patched_modules(model):
-            _install(model, _rotary_target(model), previous, restoring=True)
+            _install(model, _rotary_target(model), previous.spec, restoring=previous)
         raise
 
 
-def _patch_to_put_back(model: nn.Module) -> PatchSpec | None:
+@dataclasses.dataclass(frozen=True)
+class _PatchToPutBack:
+    """A model's patch as it is, for :func:`_put_back`: its spec, its rotary module's train/eval
+    mode (a new rotary module would take the mode of the original one, which is kept outside the
+    module tree, where ``model.train()`` does not reach it), and its config object with the values
+    it holds now (the patch's, and the caller's changes since patching, such as use_cache)."""
+
+    spec: PatchSpec
+    training: bool
+    config: Any
+    config_values: dict[str, Any]
+
+
+def _patch_to_put_back(model: nn.Module) -> _PatchToPutBack | None:
     """The model's patch (None: none), for a caller that patches it otherwise and then puts it back."""
     previous = get_patch_info(model)
-    if previous is not None and previous.method not in list_methods():
+    if previous is None:
+        return None
+    if previous.method not in list_methods():
         # Its frequencies could not be rebuilt once another patch replaced it.
         raise ValueError(
             f"This model is patched with method {previous.method!r}, which has been unregistered; register it again "
             "(hf_rope_ext.register_method) or call unpatch_model(model) first."
         )
-    return previous
+    _, rotary = _patched_modules(model)[0]
+    return _PatchToPutBack(previous, rotary.training, rotary.config, dict(vars(rotary.config)))
 
 
-def _put_back(model: nn.Module, previous: PatchSpec | None) -> None:
+def _put_back(model: nn.Module, previous: _PatchToPutBack | None, function: str = "patch_model") -> None:
     """Leave ``model`` with the patch ``previous`` (from :func:`_patch_to_put_back`; None: none)
     after other patches were tried on it. Not refused in training mode: the model had it."""
     if _patched_modules(model):
-        _unpatch(model, "patch_model")
+        _unpatch(model, function)
     if previous is not None:
-        _install(model, _rotary_target(model), previous, restoring=True)
+        _install(model, _rotary_target(model), previous.spec, restoring=previous)
 
 
 _AUTO_OPTIONS = {"calibration_ids": "calibration_ids", "candidates": "candidates", "objective": "objective",
@@ -298,16 +317,47 @@ _AUTO_OPTIONS = {"calibration_ids": "calibration_ids", "candidates": "candidates
                  "progress": "progress"}  # fmt: skip
 
 
+def _takes_auto_option(option: str, value: Any) -> bool:
+    """Whether ``value`` has a type the auto option ``option`` takes (token ids: anything but text or a number)."""
+    if option in ("cache", "progress"):
+        return isinstance(value, bool)
+    if option == "calibration_length":
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if option == "candidates":
+        return isinstance(value, (str, list, tuple))
+    if option == "objective":
+        return isinstance(value, str)
+    if option == "cache_path":
+        return isinstance(value, (str, os.PathLike))
+    return not isinstance(value, (str, bytes, numbers.Number))
+
+
+def _unknown_auto_options_advice(unknown: dict[str, Any]) -> str:
+    """A hint for each misspelt option (a close spelling that takes its value's type: following
+    it must not lead to another error) and, for a method's parameter, how to set it."""
+    from .methods import get_method
+
+    advice = []
+    for name, value in unknown.items():
+        options = [option for option in _AUTO_OPTIONS if _takes_auto_option(option, value)]
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.8)
+        if close:
+            advice.append(f"Did you mean {close[0]} (not {name})?")
+    method_params = {key for method in list_methods() for key in get_method(method).defaults}
+    if any(name in method_params for name in unknown):
+        advice.append("Name a method to set its parameters.")
+    return " ".join(advice)
+
+
 def _patch_auto(model, scale, max_length, original_max_length, steps_per_doubling, logn_attention, options):
     from .auto import choose_configuration
 
     unknown = sorted(set(options) - set(_AUTO_OPTIONS))
     if unknown:
-        misspelt = {name: difflib.get_close_matches(name, _AUTO_OPTIONS, n=1) for name in unknown}
-        advice = " ".join(f"Did you mean {close[0]} (not {name})?" for name, close in misspelt.items() if close)
+        advice = _unknown_auto_options_advice({name: options[name] for name in unknown})
         raise ValueError(
             f"method='auto' chooses the method's parameters itself; it takes {', '.join(_AUTO_OPTIONS)}, "
-            f"not {', '.join(unknown)}. " + (advice or "Name a method to set its parameters.")
+            f"not {', '.join(unknown)}." + (f" {advice}" if advice else "")
         )
     if steps_per_doubling is not NOT_GIVEN or logn_attention not in (None, False):
         raise ValueError(
@@ -390,9 +440,10 @@ def describe_record(record: Any) -> str:
     return f"{record.get('method', '?')} x{record.get('scale', '?')} from {original} tokens"
 
 
-def _install(model: nn.Module, target: _Target, spec: PatchSpec, restoring: bool = False) -> None:
-    """Apply ``spec`` to ``target`` in ``model``. ``restoring``: putting back a patch the model
-    had (after the new one was refused), which the training-mode check must not refuse."""
+def _install(model: nn.Module, target: _Target, spec: PatchSpec, restoring: _PatchToPutBack | None = None) -> None:
+    """Apply ``spec`` to ``target`` in ``model``. ``restoring``: putting back the patch the model
+    had (``spec`` is its spec), which the training-mode check must not refuse; the rotary module
+    and the config object get the mode and the values they had."""
     spec = spec.bound_to(target.rotary_dim, target.base, target.kept, target.module_name)
     original, base, rotary_dim = target.module, target.base, target.rotary_dim
     rope_method = spec.rope_method
@@ -438,7 +489,8 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec, restoring: bool
     setattr(config, config_io.RECORD_ATTRIBUTE, spec.to_record())
     rotary.config, rotary.original_config, rotary.spec = config, target.config, spec
     rotary.attention_dropout = dropout
-    rotary.train(original.training)  # a new module is in training mode; the model may not be
+    # a new module is in training mode; the model may not be
+    rotary.train(original.training if restoring is None else restoring.training)
 
     caller, attribute = owner_and_attribute(model, target.module_name)
     try:
@@ -468,6 +520,8 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec, restoring: bool
         if rotary.cache_guard is not None:
             rotary.cache_guard.remove()
         raise
+    if restoring is not None:
+        config = _config_put_back(restoring, rotary)
     setattr(caller, attribute, rotary)
     _swap_config(model, target.config, config)
     logger.info(
@@ -479,6 +533,21 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec, restoring: bool
         original_length,
         extended,
     )
+
+
+def _config_put_back(previous: _PatchToPutBack, rotary: ExtendedRotaryEmbedding) -> Any:
+    """The config object the model had with ``previous``, holding the values it had then, made the
+    config of the patch put back (``rotary``, built from the same spec): a caller's reference to it
+    stays the model's config, with their changes since patching. Only its attention registry name
+    is the new patch's (the old name was unregistered with the old patch)."""
+    config = previous.config
+    vars(config).clear()  # unpatching made it read as the original config
+    vars(config).update(previous.config_values)
+    if rotary.attention_patch is not None:
+        config._attn_implementation = rotary.attention_patch.name
+        rotary.attention_patch.config = config
+    rotary.config = config
+    return config
 
 
 def _position_remap(spec: PatchSpec, make_remap: Any, resolved: dict[str, Any]) -> Any:
@@ -621,13 +690,12 @@ def get_patch_info(model: nn.Module) -> PatchSpec | None:
 @contextlib.contextmanager
 def patched(model: nn.Module, scale: float | None = None, method: str = DEFAULT_METHOD, **kwargs: Any) -> Iterator[nn.Module]:
     """Context manager form of :func:`patch_model`: on exit the model is as it was before,
-    including a patch it already had."""
-    previous = get_patch_info(model)
+    including a patch it already had (its config object, with its values, and its rotary
+    module's mode)."""
+    previous = _patch_to_put_back(model)
     patch_model(model, scale, method, **kwargs)
     try:
         yield model
     finally:
-        if get_patch_info(model) is not None:  # unpatched inside: an error here would hide the block's own
-            unpatch_model(model)
-        if previous is not None:
-            previous.apply(model)
+        # a block that unpatched the model gets no error here, which would hide its own
+        _put_back(model, previous, "unpatch_model")

@@ -17,10 +17,19 @@ import copy
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .methods import COMMON_PARAMS, LOGN_SUFFIX, RopeMethod, _check_json, get_method, plain_value, resolve_params
+from .methods import (
+    COMMON_PARAMS,
+    LOGN_SUFFIX,
+    RopeMethod,
+    _check_json,
+    get_method,
+    list_methods,
+    plain_value,
+    resolve_params,
+)
 from .validation import MAX_CONTEXT, check_context, check_length, check_scale, check_steps, is_finite
 
 logger = logging.getLogger(__name__)
@@ -77,7 +86,9 @@ def whole_token_scale(scale: float, original_length: int) -> float:
     rounding. A scale that extends the context by less than half a token is refused.
     """
     target = original_length * scale
-    check_context(target, f"scale={scale!r} on an original context of {original_length} tokens")
+    # Checked as rounded below: (2**31 - 1) / L0 * L0, a few ulps above the limit, rounds to it.
+    if not target < MAX_CONTEXT + 0.5:  # NaN and inf too
+        check_context(target, f"scale={scale!r} on an original context of {original_length} tokens")
     extended = int(math.floor(target + 0.5))
     if extended <= original_length:
         raise ValueError(
@@ -144,7 +155,7 @@ def method_spec(method: str, logn_attention: bool) -> str:
 
 
 def _hashable(value: Any) -> Any:
-    """``value`` (a JSON-like parameter) as a hashable equal-for-equal form: lists become tuples,
+    """``value`` (a field of a spec) as a hashable equal-for-equal form: lists become tuples,
     mappings frozensets of items (so ``{"a": 2}`` and ``{"a": 2.0}``, equal, hash alike)."""
     if isinstance(value, Mapping):
         return frozenset((key, _hashable(item)) for key, item in value.items())
@@ -153,23 +164,18 @@ def _hashable(value: Any) -> Any:
     return value
 
 
-class _ReadOnlyDict(dict):
-    """A spec's ``params`` / ``kept``: a plain dict to read (JSON, ``==``, ``**``), refusing edits,
-    so that a spec handed out (``get_patch_info``) cannot change, and it can be hashed."""
-
-    def _read_only(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError(
-            "A PatchSpec is read-only; make a changed one with dataclasses.replace(spec, params={...}) or "
-            "PatchSpec.create (dict(spec.params) is an editable copy)."
-        )
-
-    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
-
-    def __hash__(self) -> int:
-        return hash(_hashable(self))
-
-    def __reduce__(self):  # pickle and deepcopy: rebuild from the items (setting them one by one is refused)
-        return type(self), (dict(self),)
+def _check_params_belong_to(method: RopeMethod, params: Mapping[str, Any]) -> None:
+    """Refuse, with the fix, the parameters of another method: what ``dataclasses.replace(spec,
+    method=...)`` passes on (resolve_params would list them as unknown, with odd hints)."""
+    if params and set(params) - set(method.defaults):
+        owner = next((name for name in list_methods()
+                      if name != method.name and set(get_method(name).defaults) == set(params)), None)  # fmt: skip
+        if owner is not None:
+            raise ValueError(
+                f"params are the parameters of method {owner!r}, not of {method.name!r}; when changing the method "
+                f"(dataclasses.replace(spec, method={method.name!r})), pass its own params, or params={{}} for its "
+                "defaults."
+            )
 
 
 class RecordError(ValueError):
@@ -193,7 +199,7 @@ class PatchSpec:
             ``logn_attention=True`` (the field holds the bare name).
         scale: the context multiplier (> 1), ``L0 * scale`` a whole number of tokens.
         original_max_position_embeddings: the context the model was trained on (``L0``).
-        params: the method's own parameters, defaults filled in (plain JSON values; read-only).
+        params: the method's own parameters, defaults filled in (plain JSON values).
         steps_per_doubling: length-dependent methods only: None uses the frequencies of the
             exact length, n rounds lengths up to ``L0 * 2 ** (k / n)``. Always None for static
             methods.
@@ -208,22 +214,29 @@ class PatchSpec:
     turns a ``"+logn"`` suffix of ``method`` into ``logn_attention=True`` (refused with
     ``logn_attention=False``) and rounds ``scale`` so that ``L0 * scale`` is a whole number of
     tokens, as ``patch_model`` does (:func:`whole_token_scale`); :meth:`create` also resolves
-    ``max_length``. A spec is immutable (``params`` and ``kept`` are read-only dicts) and hashable.
+    ``max_length``.
+
+    The fields cannot be reassigned; ``params`` and ``kept`` are plain dicts, the spec's own
+    copies (``get_patch_info`` hands out a deep copy of the live patch's spec, so editing one
+    changes only that copy). A spec is hashable: the hash follows the contents, dicts and lists
+    included, so equal specs hash alike, and a spec edited after being put in a set or used as
+    a key is, as for any mutable value, not found there any more.
     """
 
     method: str
     scale: float
     original_max_position_embeddings: int
-    params: Mapping[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
     steps_per_doubling: int | None = None
     logn_attention: bool | None = None  # None: not given (off unless ``method`` ends in "+logn")
     original_rope_theta: float | None = None
     rotary_dim: int | None = None
-    kept: Mapping[str, Any] = field(default_factory=dict)
+    kept: dict[str, Any] = field(default_factory=dict)
     module_name: str = ""
-    # Set by from_record only: a scale read from a checkpoint written before the whole-token rule
-    # is kept as it was (its extended context rounds up, see extended_length), not re-rounded.
-    _recorded_scale: bool = field(default=False, repr=False, compare=False)
+    # (scale, original context) as from_record read them: a checkpoint written before the
+    # whole-token rule keeps its scale (its extended context rounds up, see extended_length) as
+    # long as neither changes; a copy that changes either (dataclasses.replace) is rounded.
+    _recorded_scale: tuple[float, int] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         method, logn_attention = split_method_spec(self.method, self.logn_attention)
@@ -239,9 +252,9 @@ class PatchSpec:
         if original > MAX_CONTEXT:
             check_context(original, "original_max_length")
         check_context(self.scale * original - 1e-6, f"scale={self.scale!r} on an original context of {original} tokens")
-        tokens = self.scale * original
-        whole = round(tokens) > original and math.isclose(tokens, round(tokens), rel_tol=1e-9)  # to float rounding
-        if not whole and not self._recorded_scale:  # round it, or refuse it, as patch_model does
+        if (self.scale, original) != self._recorded_scale:
+            set_field(self, "_recorded_scale", None)
+            # as patch_model does (the same function; a whole scale, such as max_length / L0, is kept)
             set_field(self, "scale", whole_token_scale(self.scale, original))
         if self.rotary_dim is not None:
             rotary_dim = check_length(self.rotary_dim, "rotary_dim", "number of dimensions")
@@ -255,6 +268,7 @@ class PatchSpec:
             set_field(self, "original_rope_theta", float(self.original_rope_theta))
         if not isinstance(self.params, Mapping):
             raise TypeError(f"params must be a mapping of the method's parameters, got {type(self.params).__name__}.")
+        _check_params_belong_to(rope_method, self.params)
         set_field(self, "params", resolve_params(rope_method, self.rotary_dim, self.params))
         if rope_method.length_dependent:
             set_field(self, "steps_per_doubling", check_steps(self.steps_per_doubling))
@@ -267,7 +281,6 @@ class PatchSpec:
             raise ValueError(
                 f"steps_per_doubling only applies to length-dependent methods; {self.method!r} is static."
             )
-        set_field(self, "params", _ReadOnlyDict(self.params))
         if not isinstance(self.kept, Mapping) or not all(isinstance(key, str) for key in self.kept):
             raise TypeError(
                 "kept must be a mapping of the rope_parameters keys the patch keeps (e.g. {'partial_rotary_factor': "
@@ -276,12 +289,15 @@ class PatchSpec:
         kept = {key: plain_value(value) for key, value in self.kept.items()}
         for key, value in kept.items():  # written to the patched config
             _check_json(value, f"kept[{key!r}]")
-        set_field(self, "kept", _ReadOnlyDict(kept))
+        set_field(self, "kept", kept)
         if not isinstance(self.module_name, str):
             raise TypeError(
                 f"module_name must be a string (the rotary module's path in the model, '' when not patched), got "
                 f"{self.module_name!r}."
             )
+
+    def __hash__(self) -> int:  # the contents (the dataclass's generated hash fails on the dicts)
+        return hash(tuple(_hashable(getattr(self, item.name)) for item in fields(self) if item.compare))
 
     # -- making one ------------------------------------------------------------------------------
 
@@ -507,6 +523,6 @@ class PatchSpec:
         except (TypeError, ValueError) as error:
             raise RecordError(f"has parameters method {method.name!r} does not accept: {error}", source) from None
         return cls(method.name, float(scale), original, params, steps, logn, float(base), rotary_dim, dict(kept or {}),
-                   _recorded_scale=True)
+                   _recorded_scale=(float(scale), original))
 
 

@@ -1611,6 +1611,58 @@ def test_gradient_checkpointing_recomputes_each_layer_with_its_own_forwards_regi
             torch.testing.assert_close(actual, expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("method", ["self-extend-yarn", "self-extend-dca", "dual-chunk"])
+def test_gradient_checkpointing_with_the_callers_own_position_ids_reused_or_refilled(method):
+    """A caller's position_ids tensor given to several forwards before one backward: reused as it
+    is by a forward of another regime (an evaluation planned beyond the settle length), or
+    refilled in place for a second loss term (PoSE windows from one buffer). Each recomputed
+    layer keeps its own forward's regime and positions: the gradients equal those without
+    checkpointing."""
+    first, second = random_ids(40), random_ids(LENGTH, seed=2)
+
+    def gradients(checkpointing: bool, reuse: str):
+        model = make_model("llama", attn_implementation="sdpa")
+        patch_model(model, scale=8, method=method)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        if reuse == "as is":  # 40 tokens, below the settle length 2 x L0; then an evaluation planned for 200
+            positions = torch.arange(40)[None]
+            loss = model(first, labels=first, position_ids=positions, use_cache=False).loss
+            with torch.no_grad(), planned_length(model, 200):
+                model(first.flip(1), position_ids=positions, use_cache=False)
+        else:  # one buffer, refilled in place between two loss terms
+            positions = torch.arange(LENGTH)[None] + 50
+            loss = model(second, labels=second, position_ids=positions, use_cache=False).loss
+            positions.copy_(torch.arange(LENGTH)[None])
+            loss = loss + model(second.flip(1), labels=second.flip(1), position_ids=positions, use_cache=False).loss
+        return torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+
+    for reuse in ("as is", "refilled"):
+        for actual, expected in zip(gradients(True, reuse), gradients(False, reuse)):
+            torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+
+
+def test_a_layer_run_on_its_own_reads_the_current_regime_after_a_forward_with_its_position_ids():
+    """A decoder layer called on its own, with a position tensor an earlier forward of the model
+    was given (and which the caller refilled), computes as the same layer inside a full forward."""
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=8, method="self-extend-yarn")
+    ids = random_ids(40)
+    positions = torch.arange(40)[None]
+    with torch.no_grad():
+        model(ids, labels=ids, position_ids=positions)  # below the settle length
+        positions.add_(60)  # 60 .. 99: beyond it
+        seen = {}
+        layer, rotary = model.model.layers[0], model.model.rotary_emb
+        handle = layer.register_forward_hook(lambda module, args, output: seen.setdefault("full", output))
+        model(ids, position_ids=torch.arange(60, 100)[None])
+        handle.remove()
+        hidden = model.model.embed_tokens(ids)
+        alone = layer(hidden, position_ids=positions, position_embeddings=rotary(hidden, positions))
+    torch.testing.assert_close(alone, seen["full"], atol=0, rtol=0)
+
+
 def _tiny_model(model_type: str, attn_implementation: str = "eager", **overrides):
     """A tiny random model of a family outside conftest's four, with conftest's shapes."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -4,6 +4,7 @@ is refused with one clear message."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -255,9 +256,56 @@ def test_a_cache_that_cannot_be_written_keeps_the_measured_choice(tmp_path, capl
         choice = choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], progress=False,
                                       cache_path=tmp_path / "a-file" / "cache.json")  # fmt: skip
     assert "Could not write the calibration cache" in caplog.text
+    assert choice.cache_path is None  # it names no file that would not hold it
     reference = _reference_losses(model, ids, 2)
     assert choice.chosen == min(["yarn", "ntk"], key=lambda text: reference[text][0])
     assert get_patch_info(model) is None
+
+
+def test_cache_path_expands_the_home_folder(tmp_path, monkeypatch):
+    """As HF_ROPE_EXT_CACHE is: "~/c.json" is a file in the home folder, not in a folder named "~"."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    model = make_model("llama")
+    ids = random_ids(2 * L0)[0]
+    choice = choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], cache_path="~/c.json", progress=False)
+    assert choice.cache_path == str(tmp_path / "home" / "c.json") and not (tmp_path / "~").exists()
+    assert len(json.loads((tmp_path / "home" / "c.json").read_text())["entries"]) == 1
+    again = choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], cache_path="~/c.json", progress=False)
+    assert again.from_cache and again.scores == choice.scores
+
+
+def test_cache_path_with_cache_off_is_refused_in_one_line(tmp_path):
+    model = make_model("llama")
+    calls = _count_forwards(model)
+    for call in (
+        lambda: choose_configuration(model, random_ids(2 * L0)[0], 2, cache=False, cache_path=tmp_path / "c.json"),
+        lambda: patch_model(model, 2, "auto", calibration_ids=random_ids(2 * L0)[0], cache=False, cache_path="c.json"),
+    ):
+        with pytest.raises(ValueError, match=r"cache_path=.*c\.json' was given with cache=False") as error:
+            call()
+        assert "\n" not in str(error.value)
+    assert calls == [] and get_patch_info(model) is None and not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "tail"),
+    [
+        ({"calibration_text": "a long text"}, "not calibration_text."),  # close to calibration_length, not its type
+        ({"target_length": 128}, "not target_length."),
+        ({"cache_dir": "/tmp/x"}, "not cache_dir."),
+        ({"cach": "yes"}, "not cach."),  # cache takes True or False
+        ({"progres": False}, "not progres. Did you mean progress (not progres)?"),
+        ({"beta_fast": 8, "cache_pth": "c.json"},
+         "not beta_fast, cache_pth. Did you mean cache_path (not cache_pth)? Name a method to set its parameters."),
+    ],
+)  # fmt: skip
+def test_a_misspelt_auto_option_is_hinted_only_when_close_and_of_its_type(kwargs, tail):
+    """Following a hint must not lead to another error; a method's parameter keeps its advice."""
+    model = make_model("llama")
+    with pytest.raises(ValueError) as error:
+        patch_model(model, 2, "auto", calibration_ids=random_ids(2 * L0)[0], **kwargs)
+    assert str(error.value).endswith(", progress, " + tail)
 
 
 @pytest.mark.parametrize(
@@ -543,6 +591,45 @@ def test_check_configurations_puts_the_previous_patch_back():
     with pytest.raises(ValueError, match="configuration 'yarn:beta_fast=-1'"):
         check_configurations(model, ["ntk", "yarn:beta_fast=-1"], 4)
     assert get_patch_info(model) == previous
+    with torch.no_grad():
+        assert torch.equal(model(probe).logits, before)
+
+
+def test_measuring_a_patched_model_keeps_its_config_and_its_rotary_modules_mode(monkeypatch):
+    """check_configurations and choose_configuration put the model's patch back as it was, also
+    after a refusal or a failure: the same config object, with the changes made since patching
+    (use_cache=False before gradient-checkpointed training), and its rotary module in training
+    mode, as model.train() left it."""
+    import hf_rope_ext.auto as auto
+    from hf_rope_ext.auto import check_configurations
+
+    model = make_model("llama")
+    ids = random_ids(3 * L0)[0]
+    probe = random_ids(2 * L0, seed=3)
+    patch_model(model, 2, "self-extend")
+    model.config.use_cache, model.config.pad_token_id = False, 0
+    config, values = model.config, model.config.to_dict()
+    with torch.no_grad():
+        before = model(probe).logits
+    model.train()
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    calls = [
+        lambda: check_configurations(model, ["ntk", "dual-chunk"], 4),
+        lambda: check_configurations(model, ["ntk", "yarn:beta_fast=-1"], 4),
+        lambda: choose_configuration(model, ids, 3, candidates=["yarn", "ntk"], cache=False, progress=False),
+        lambda: (monkeypatch.setattr(auto, "_score", failing),
+                 choose_configuration(model, ids, 3, candidates=["yarn", "ntk"], cache=False, progress=False)),
+    ]  # fmt: skip
+    for call in calls:
+        with contextlib.suppress(ValueError, RuntimeError):
+            call()
+        assert get_patch_info(model).method == "self-extend"
+        assert all(module.training for module in model.modules())  # the patched rotary module is one of them
+        assert model.config is config and config.to_dict() == values
+    model.eval()
     with torch.no_grad():
         assert torch.equal(model(probe).logits, before)
 

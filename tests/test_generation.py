@@ -689,6 +689,75 @@ def test_generate_from_inputs_embeds_without_a_length_plans_transformers_default
     torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
 
 
+# generate(self, inputs=None, generation_config=None, ...) binds both positionally, and with
+# inputs=None takes the prompt from input_ids (generation/utils.py `_prepare_model_inputs`).
+GENERATE_CALLS = {  # name: (the GenerationConfig's length, (args, kwargs) from prompt and config, new tokens)
+    "generation_config positional": ({"max_new_tokens": 60}, lambda prompt, config: ((prompt, config), {}), 60),
+    "inputs None positional, input_ids keyword": (
+        {"max_new_tokens": 60}, lambda prompt, config: ((None, config), {"input_ids": prompt}), 60),
+    # what a wrapper forwarding its own inputs=inputs passes; without a length: transformers' 20 new tokens
+    "inputs=None keyword, input_ids keyword": (
+        {}, lambda prompt, config: ((), {"inputs": None, "input_ids": prompt, "generation_config": config}), 20),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATE_CALLS))
+def test_generate_plans_its_arguments_as_generate_binds_them(case):
+    """The plan reads the prompt and the generation_config where generate reads them: one prefill,
+    then one token per step, and the logits of full forwards planned for the length reached."""
+    length, call, new_tokens = GENERATE_CALLS[case]
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    prompt = random_ids(L0 + 18)
+    config = GenerationConfig(**length, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                              output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    args, kwargs = call(prompt, config)
+    outputs = []
+    lengths = _decoder_calls(model, lambda: outputs.append(model.generate(*args, **kwargs)))
+    out = outputs[0]
+    final = L0 + 18 + new_tokens
+    assert out.sequences.shape[1] == final  # transformers' own reading of the call
+    assert lengths == [L0 + 18] + [1] * (new_tokens - 1)
+    assert recomputations(model) == 0
+    with torch.no_grad(), planned_length(model, final):
+        full = model(out.sequences[:, :-1]).logits[:, L0 + 17 :]
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("source", ["call with max_new_tokens", "model's generation_config, default length"])
+def test_prompt_lookup_plans_the_candidates_it_verifies_past_max_length(source):
+    """Prompt lookup (transformers' PromptLookupCandidateGenerator) drafts up to prompt_lookup_num_tokens
+    tokens from any length up to max_length - 2 and verifies them in one forward: up to
+    max_length - 2 + prompt_lookup_num_tokens tokens. The plan covers that, so the call recomputes
+    nothing and its logits are those of full forwards planned for it."""
+    lookup = 5
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    # prompts whose drafts go past max_length whether the plan covers them or not
+    if source == "call with max_new_tokens":
+        prompt = random_ids(L0 + 18)
+        kwargs, max_length = {"prompt_lookup_num_tokens": lookup, "max_new_tokens": 40}, L0 + 58
+    else:
+        prompt = random_ids(L0 + 18, seed=5)
+        model.generation_config.prompt_lookup_num_tokens = lookup
+        kwargs, max_length = {}, L0 + 38  # transformers' default: 20 new tokens
+    reach = []  # the furthest position of each forward
+    hook = model.model.layers[0].register_forward_pre_hook(
+        lambda module, args, k: reach.append(int(k["position_ids"].max()) + 1), with_kwargs=True)
+    try:
+        out = model.generate(prompt, **kwargs, do_sample=False, pad_token_id=0, eos_token_id=None,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    finally:
+        hook.remove()
+    plan = max_length - 2 + lookup
+    assert out.sequences.shape[1] == max_length
+    assert recomputations(model) == 0
+    assert max_length < max(reach) <= plan  # the drafts did go past max_length
+    with torch.no_grad(), planned_length(model, plan):
+        full = model(out.sequences[:, :-1]).logits[:, L0 + 17 :]
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
+
+
 # -- the cache operations the prefix recompute follows -----------------------------------------
 #
 # Without a plan and with steps_per_doubling=None, a call that continues a cache past the

@@ -2205,3 +2205,114 @@ def test_load_messages_name_the_revision_the_subfolder_and_restore_patch(tmp_pat
         loaded = load_patched(folder, restore=False)
     assert "hf_rope_ext.hub.restore_patch(model)" in caplog.text and "Load it with" not in caplog.text
     assert get_patch_info(restore_patch(loaded)).method == "self-extend-yarn"
+
+
+# ----------------------------------------------------------------------------------------------
+# from_pretrained's arguments, checked against transformers' own reading
+# ----------------------------------------------------------------------------------------------
+
+
+def test_load_patched_with_output_loading_info_returns_the_model_and_transformers_info(tmp_path):
+    model = make_model("llama")
+    _patch(model, "self-extend-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    loaded, info = load_patched(folder, output_loading_info=True)
+    assert info == AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)[1]
+    assert get_patch_info(loaded).method == "self-extend-yarn"
+    ids = random_ids(LENGTH)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=2e-5)
+
+
+def test_save_patched_refuses_keyword_arguments_save_pretrained_would_ignore(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    # transformers 5 dropped safe_serialization; a misspelt argument; push_to_hub's, without a push
+    cases = (("safe_serialization", False, ""), ("max_shard_sise", "20KB", " did you mean max_shard_size=?"),
+             ("revision", "dev", ""), ("tokeniser", None, " did you mean tokenizer=?"))
+    for key, value, hint in cases:
+        message = (rf"^save_patched got an unexpected keyword argument '{key}' \(LlamaForCausalLM\.save_pretrained "
+                   rf"would ignore it\);{re.escape(hint)} the keyword arguments passed on to save_pretrained are "
+                   r".*max_shard_size")
+        with pytest.raises(TypeError, match=message):
+            save_patched(model, tmp_path / "ckpt", **{key: value})
+        assert not (tmp_path / "ckpt").exists()
+    api = RecordingApi()
+    for key in ("max_shard_sise", "commit_description", "repo_type", "exist_ok"):
+        with pytest.raises(TypeError, match=f"^push_patched_to_hub got an unexpected keyword argument '{key}'"):
+            push_patched_to_hub(model, "me/x", api=api, **{key: "x"})
+    assert api.calls == []
+    # the arguments save_pretrained names are passed on: the files are those it writes itself
+    kwargs = {"max_shard_size": "20KB", "variant": "v1"}
+    model.save_pretrained(tmp_path / "reference", **kwargs)
+    written = save_patched(model, tmp_path / "ckpt", **kwargs)
+    weights = sorted(path.name for path in written.iterdir() if "safetensors" in path.name)
+    assert weights == sorted(path.name for path in (tmp_path / "reference").iterdir() if "safetensors" in path.name)
+    assert len(weights) > 2
+    push_patched_to_hub(model, "me/x", api=api, legacy_fields=False, max_shard_size="20KB")  # save_patched's own too
+    assert "rope_scaling" not in json.loads(api.calls[-1][2]["files"]["config.json"])
+    # is_main_process=False: save_pretrained would write no config.json, where the record lives
+    before = sorted(path.name for path in written.iterdir())
+    with pytest.raises(ValueError, match=r"takes no is_main_process=False; call it on the main process only"):
+        save_patched(model, written, is_main_process=False)
+    assert sorted(path.name for path in written.iterdir()) == before
+    save_patched(model, tmp_path / "main", is_main_process=True)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_load_patched_with_a_patched_models_config_builds_that_models_own_attention(tmp_path, implementation):
+    model = make_model("llama", attn_implementation=implementation)
+    _patch(model, "self-extend-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    ids = random_ids(LENGTH)
+    loaded = load_patched(folder, config=model.config)
+    assert get_patch_info(loaded).method == "self-extend-yarn"
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=2e-5)
+    # restore=False: what plain from_pretrained builds with that attention, whose forward runs
+    plain = load_patched(folder, config=model.config, restore=False)
+    reference = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=implementation)
+    assert plain.config._attn_implementation == reference.config._attn_implementation == implementation
+    unpatch_model(model)
+    torch.testing.assert_close(_logits(plain, ids), _logits(reference, ids), rtol=0, atol=2e-5)
+
+
+def test_load_patched_accepts_rope_keyword_arguments_equal_to_the_checkpoints(tmp_path):
+    model = make_model("llama")
+    _patch(model, "self-extend-yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    read = AutoConfig.from_pretrained(folder)  # transformers' reading of the checkpoint
+    same = {"max_position_embeddings": read.max_position_embeddings, "head_dim": read.head_dim,
+            "rope_parameters": dict(read.rope_parameters)}
+    loaded = load_patched(folder, **same)
+    assert get_patch_info(loaded).method == "self-extend-yarn"
+    ids = random_ids(LENGTH)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match=r"^load_patched\(max_position_embeddings=\.\.\.\) would change"):
+        load_patched(folder, **{**same, "max_position_embeddings": read.max_position_embeddings + 1})
+
+
+def test_offline_hub_cache_messages_name_the_missing_subfolder_or_revision(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    model = make_model("llama")
+    _patch(model, "yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    _hub_cache_snapshot(tmp_path / "cache", "me/tiny", folder)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cache = {"cache_dir": tmp_path / "cache"}
+    assert get_patch_info(load_patched("me/tiny", **cache)).method == "yarn"
+    with pytest.raises(FileNotFoundError, match="^The Hub cache has 'me/tiny', but no subfolder 'sub' in it"):
+        load_patched("me/tiny", subfolder="sub", **cache)
+    with pytest.raises(FileNotFoundError, match="^The Hub cache has 'me/tiny', but not at revision 'v2'"):
+        load_patched("me/tiny", revision="v2", subfolder="sub", **cache)
+
+
+def test_load_patched_names_the_config_given_when_it_has_no_record(tmp_path, caplog):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    folder = save_patched(model, tmp_path / "ckpt")
+    base = tmp_path / "base"
+    make_model("llama").save_pretrained(base)
+    with caplog.at_level("INFO", logger="hf_rope_ext.hub"):
+        assert get_patch_info(load_patched(folder, config=base)) is None
+    assert f"The config= given ({base}) has no hf_rope_ext record" in caplog.text
+    assert f"{folder} has no hf_rope_ext record" not in caplog.text

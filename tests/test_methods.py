@@ -338,8 +338,11 @@ def test_negative_zero_is_recorded_as_zero():
 # -- PatchSpec: a value that cannot change the patch it describes ---------------------------------
 
 
-def test_patch_info_is_read_only_and_independent_of_the_live_patch():
+def test_patch_info_is_a_plain_copy_independent_of_the_live_patch():
     import dataclasses
+    import io
+
+    import yaml
 
     from hf_rope_ext import get_patch_info, patched
 
@@ -350,14 +353,21 @@ def test_patch_info_is_read_only_and_independent_of_the_live_patch():
     with torch.no_grad():
         before = model(ids).logits
     info = get_patch_info(model)
-    with pytest.raises(TypeError, match="read-only"):
-        info.params["long_factor"] = [1.0] * 8
-    with pytest.raises(TypeError, match="read-only"):
-        info.kept.update(partial_rotary_factor=0.5)
+    # plain dicts: they serialize as they did before the spec was hashable
+    assert type(info.params) is dict and type(info.kept) is dict
+    assert yaml.safe_load(yaml.safe_dump(info.params)) == model.config.hf_rope_ext["params"]
+    buffer = io.BytesIO()
+    torch.save({"rope_params": info.params}, buffer)
+    assert torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)["rope_params"]["long_factor"] == long_factor
+    as_dict = dataclasses.asdict(info)
+    as_dict["params"].update(long_factor=[2.0] * 8)
     with pytest.raises(dataclasses.FrozenInstanceError):
         info.scale = 8.0
-    info.params["long_factor"][0] = 99.0  # a nested list: the handed-out copy's own
-    assert get_patch_info(model).params["long_factor"] == long_factor
+    # editing the handed-out copy, top level and nested, changes only that copy
+    info.params["long_factor"][0] = 99.0
+    info.params["short_factor"] = [3.0] * 8
+    info.kept["partial_rotary_factor"] = 0.5
+    assert get_patch_info(model).params["long_factor"] == long_factor and get_patch_info(model).kept == {}
     with patched(model, 8, "linear"):  # exit puts the previous patch back
         pass
     with torch.no_grad():
@@ -365,7 +375,7 @@ def test_patch_info_is_read_only_and_independent_of_the_live_patch():
     assert model.config.hf_rope_ext["params"]["long_factor"] == long_factor
 
 
-def test_patch_specs_are_hashable_like_other_frozen_values():
+def test_patch_specs_hash_by_their_contents():
     from hf_rope_ext import PatchSpec, get_patch_info
 
     model = patch_model(make_model("llama"), 4, method="longrope", long_factor=[1.0 + 0.5 * i for i in range(8)])
@@ -376,6 +386,11 @@ def test_patch_specs_are_hashable_like_other_frozen_values():
     given_float = PatchSpec("dual-chunk", 4.0, 32, params={"chunk_size": 16.0})
     assert given_int == given_float and hash(given_int) == hash(given_float)
     assert len({given_int, PatchSpec("dual-chunk", 4.0, 32, params={"chunk_size": 8})}) == 2
+    # the hash follows the contents: an edited copy hashes as a spec made with those contents
+    edited = PatchSpec("yarn", 4.0, 32)
+    edited.params["beta_fast"] = 16.0
+    made = PatchSpec("yarn", 4.0, 32, params={"beta_fast": 16.0})
+    assert edited == made and hash(edited) == hash(made)
 
 
 def test_a_logn_suffix_in_the_constructor_turns_log_n_attention_on():
@@ -400,16 +415,19 @@ def test_register_method_refuses_parameter_names_patch_model_takes_itself():
     import inspect
 
     import hf_rope_ext
-    from hf_rope_ext.runtimes import runtime_settings
+    from hf_rope_ext.patching import patched
+    from hf_rope_ext.runtimes import describe_patch, runtime_settings
     from hf_rope_ext.spec import PatchSpec
 
     keywords = {
         parameter.name
-        for function in (patch_model, PatchSpec.create, runtime_settings)
+        for function in (patch_model, patched, PatchSpec.create, describe_patch, runtime_settings)
         for parameter in inspect.signature(function).parameters.values()
         if parameter.kind is not parameter.VAR_KEYWORD
     }
-    assert {"scale", "method", "max_length", "model", "rope_theta"} <= keywords
+    # cls: PatchSpec.create's own, hidden by the classmethod's signature
+    keywords |= {"cls"}
+    assert {"scale", "method", "max_length", "model", "rope_theta", "partial_rotary_factor"} <= keywords
     for name in sorted(keywords):
         with pytest.raises(ValueError, match=rf"defaults must not contain \['{name}'\].*rename it") as error:
             hf_rope_ext.register_method("clashing", _own_frequencies, defaults={name: 2.0})
@@ -418,6 +436,34 @@ def test_register_method_refuses_parameter_names_patch_model_takes_itself():
         with pytest.raises(TypeError, match="identifier strings"):
             hf_rope_ext.register_method("clashing", _own_frequencies, defaults={key: 2.0})
     assert "clashing" not in list_methods()
+
+
+def _divided_frequencies(rotary_dim, base, params, seq_len=None):
+    return default_inv_freq(rotary_dim, base) / params[params["name"]], 1.0
+
+
+@pytest.mark.parametrize("name", ["cls", "partial_rotary_factor", "strength"])
+def test_a_parameter_register_method_accepts_reaches_the_method_from_every_entry_point(name):
+    import hf_rope_ext
+    from hf_rope_ext.runtimes import describe_patch, runtime_settings
+    from hf_rope_ext.spec import PatchSpec
+
+    try:
+        hf_rope_ext.register_method("divided", _divided_frequencies, defaults={"name": name, name: 1.0})
+    except ValueError as error:
+        assert name != "strength" and "defaults must not contain" in str(error)
+        return
+    try:
+        expected = default_inv_freq(16, 10000.0) / 2.0  # the tiny llama: 16 rotated dimensions, theta 1e4
+        model = patch_model(make_model("llama"), 4, "divided", **{name: 2.0})
+        rotary = model.model.rotary_emb
+        torch.testing.assert_close(rotary.inv_freq.double(), expected, rtol=1e-6, atol=0)
+        assert PatchSpec.create("divided", 4, original_max_length=32, **{name: 2.0}).params[name] == 2.0
+        described = describe_patch("divided", 4, original_max_length=32, rope_theta=1e4, rotary_dim=16, **{name: 2.0})
+        assert described.params[name] == 2.0 and described.kept == {}
+        runtime_settings(make_model("llama").config, "divided", 4, **{name: 2.0})
+    finally:
+        hf_rope_ext.unregister_method("divided")
 
 
 def test_the_constructor_rounds_the_scale_to_whole_tokens_as_patch_model_does():
@@ -440,6 +486,47 @@ def test_the_constructor_rounds_the_scale_to_whole_tokens_as_patch_model_does():
     legacy = PatchSpec.from_record({**record, "scale": 3.3})
     assert legacy.scale == 3.3 and legacy.extended_context == 106
     assert legacy.bound_to(16, 10000.0, {}).scale == 3.3
+
+
+def test_only_the_scale_as_recorded_is_kept_a_changed_copy_is_rounded():
+    import dataclasses
+
+    from hf_rope_ext import PatchSpec
+
+    record = PatchSpec.create("yarn", 4, original_max_length=32, rope_theta=10000.0).to_record()
+    legacy = PatchSpec.from_record({**record, "scale": 3.3})  # written before the whole-token rule
+    assert dataclasses.replace(legacy, params={"beta_fast": 16.0}).scale == 3.3  # scale and context as read
+    assert dataclasses.replace(legacy, scale=3.4).scale == round(3.4 * 32) / 32  # 108.8 -> 109 tokens
+    on_33 = dataclasses.replace(legacy, original_max_position_embeddings=33)  # 3.3 * 33 = 108.9 -> 109 tokens
+    assert on_33.scale == 109 / 33 and on_33.extended_context == 109
+    # rounded once, the copy does not go back to the recorded scale
+    assert dataclasses.replace(on_33, original_max_position_embeddings=32).scale == 106 / 32
+
+
+@pytest.mark.parametrize(
+    "scale, original",
+    [(8 + 0.0004 / 131072, 131072), (4 + 0.3 / 2**20, 2**20), (2 + 1e-9, 2**27), (3.3, 32), (101 / 3, 3)],
+)
+def test_the_constructor_gives_the_whole_token_scale_for_long_contexts_too(scale, original):
+    from hf_rope_ext import PatchSpec
+
+    spec = PatchSpec("yarn", scale, original)
+    tokens = math.floor(scale * original + 0.5)  # the nearest token, as README says
+    assert spec.scale == tokens / original and spec.extended_context == tokens
+    assert spec == PatchSpec.create("yarn", scale, original_max_length=original)
+
+
+def test_changing_the_method_with_replace_says_to_pass_its_params():
+    import dataclasses
+
+    from hf_rope_ext import PatchSpec
+
+    with pytest.raises(ValueError, match=r"parameters of method 'yarn', not of 'linear'.*params=\{\}") as error:
+        dataclasses.replace(PatchSpec("yarn", 4.0, 32), method="linear")
+    assert "\n" not in str(error.value)
+    assert dataclasses.replace(PatchSpec("yarn", 4.0, 32), method="linear", params={}).params == {}
+    with pytest.raises(ValueError, match="'beta_fats' \\(did you mean 'beta_fast'"):  # a misspelling: as before
+        PatchSpec("yarn", 4.0, 32, params={"beta_fats": 16.0})
 
 
 @pytest.mark.parametrize(

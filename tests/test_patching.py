@@ -648,6 +648,33 @@ def test_patched_does_not_hide_the_blocks_own_error_when_the_block_unpatched():
     assert get_patch_info(model) == info  # the patch from before the block is back
 
 
+@pytest.mark.parametrize("put_back", ["after a patched() block", "after a refused re-patch"])
+def test_a_patch_put_back_keeps_its_config_and_its_rotary_modules_mode(put_back):
+    """The patch put back is the one the model had: the same config object, with the changes made
+    to it since patching, and its rotary module in the mode model.train() gave it (a new rotary
+    module would take the mode of the original one, kept outside the module tree)."""
+    model = make_model("llama", attention_dropout=0.1)
+    ids = random_ids(2 * L0)
+    patch_model(model, 2, "self-extend")
+    model.config.use_cache, model.config.pad_token_id = False, 0
+    config, values = model.config, model.config.to_dict()
+    before = _logits(model, ids)
+    model.train()
+    if put_back == "after a patched() block":
+        with patched(model, 4, "ntk"):  # rotary-only: taken in training mode
+            pass
+    else:
+        with pytest.raises(ValueError, match="beta_fast"):
+            patch_model(model, 4, "yarn", beta_fast=-1)
+    assert all(module.training for module in model.modules())  # the patched rotary module is one of them
+    with pytest.raises(ValueError, match=r"\('self-extend'\) cannot train with attention dropout.*dropout=0.1"):
+        model(ids)  # the patched rotary module's own refusal of a training forward
+    assert model.config is config and config.to_dict() == values
+    assert all(layer.self_attn.config is config for layer in model.model.layers)
+    model.eval()
+    assert torch.equal(_logits(model, ids), before)  # its attention patch runs under the config's registry name
+
+
 # -- the model instance, and only it ----------------------------------------------------------------
 
 
