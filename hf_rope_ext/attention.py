@@ -1888,7 +1888,10 @@ def _own_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     ``AttentionPatch._forward_context``), which must be its own. A caller's tensor may be given to
     several forwards, or refilled in place, before the backward that recomputes the first one."""
     if isinstance(kwargs.get("position_ids"), torch.Tensor):
-        return args, {**kwargs, "position_ids": kwargs["position_ids"].clone()}
+        # In place: the dict is this call's own (built from its keywords), and the model's other
+        # hooks (cache_consistency's) know the call by it.
+        kwargs["position_ids"] = kwargs["position_ids"].clone()
+        return args, kwargs
     signature = _FORWARD_SIGNATURES.get(type(module))
     if signature is None:
         signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(module.forward)

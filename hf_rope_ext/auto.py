@@ -417,7 +417,9 @@ def choose_configuration(
                              "file.")  # fmt: skip
         if not isinstance(cache_path, (str, os.PathLike)):
             raise TypeError(f"cache_path must be a file path (str or pathlib.Path), got {cache_path!r}.")
-        cache_path = Path(cache_path).expanduser()  # as HF_ROPE_EXT_CACHE is
+        from .loading import home_expanded
+
+        cache_path = home_expanded(cache_path, "cache_path")  # as HF_ROPE_EXT_CACHE is
         if (problem := _not_a_cache(cache_path)) is not None:
             raise ValueError(f"cache_path {cache_path} {problem}; it would be overwritten: give a new file name or the "
                              f"path of a cache written here.")  # fmt: skip

@@ -228,9 +228,25 @@ def _generate_arguments(model: Any, args: tuple, kwargs: dict) -> dict[str, Any]
     then read as the inputs, the others not at all."""
     generate = getattr(type(model), "generate", None)
     try:
-        return call_arguments(inspect.signature(generate.__get__(model)), args, kwargs)
+        signature = inspect.signature(generate.__get__(model))
+        arguments = call_arguments(signature, args, kwargs)
     except (TypeError, ValueError, AttributeError):  # no generate, no signature, or arguments that do not bind
         return {**kwargs, "inputs": args[0]} if args else dict(kwargs)
+    # A subclass's own generate may set a length by default (generate(self, ids, max_new_tokens=40)).
+    for name in _LENGTH_SETTINGS:
+        parameter = signature.parameters.get(name)
+        if name not in arguments and parameter is not None and parameter.default not in (None, parameter.empty):
+            arguments[name] = parameter.default
+    # ... and take its prompt under another name (generate(self, *args, **kwargs), generate(self, prompt)):
+    # what it hands on to transformers' generate as the inputs is its first positional argument.
+    prompt_names = ("inputs", getattr(model, "main_input_name", "input_ids"), "inputs_embeds")
+    if args and not any(isinstance(arguments.get(name), torch.Tensor) for name in prompt_names):
+        arguments["inputs"] = args[0]
+    return arguments
+
+
+# The call's settings that decide its final length (see planned_generation_length).
+_LENGTH_SETTINGS = ("max_new_tokens", "max_length", "prompt_lookup_num_tokens")
 
 
 def _candidates_past_max_length(setting: Any) -> int:
@@ -240,13 +256,11 @@ def _candidates_past_max_length(setting: Any) -> int:
     to ``prompt_lookup_num_tokens`` candidates from any length up to ``max_length - 2`` (its cap on
     ``max_length`` bounds where it copies from, not where the copies land), and the main model scores
     them all in one forward: up to ``max_length - 2 + prompt_lookup_num_tokens`` tokens. Assistant
-    models' candidates stop at ``max_length - 1`` (``_calculate_new_tokens``), and early exit, which
-    wins over prompt lookup, is such an assistant.
+    models' candidates stop at ``max_length - 1`` (``_calculate_new_tokens``); early exit's drafter
+    runs the same model's ``generate`` with the call's prompt lookup, whose drafts then reach as far.
     """
     lookup = setting("prompt_lookup_num_tokens")
-    if lookup is None or setting("assistant_early_exit") is not None:
-        return 0
-    return max(int(lookup) - 2, 0)
+    return 0 if lookup is None else max(int(lookup) - 2, 0)
 
 
 def _default_max_length() -> int:

@@ -290,7 +290,7 @@ def _refuse_unknown_save_kwargs(model: nn.Module, save_kwargs: dict, caller: str
                  and parameter.name not in ("save_directory", *_SAVE_PRETRAINED_PUSH_KWARGS)]
     # push_patched_to_hub hands its **save_kwargs to save_patched, which takes its own as well
     accepted = passed_on + list(_SAVE_PATCHED_OWN_KWARGS) if caller == "push_patched_to_hub" else passed_on
-    if save_kwargs.get("is_main_process", True) is not True:
+    if not save_kwargs.get("is_main_process", True):  # read by truth, as save_pretrained reads it
         # save_pretrained then writes no config.json, which the patch's record lives in
         raise ValueError(
             f"{caller} writes a whole checkpoint and takes no is_main_process={save_kwargs['is_main_process']!r}; "
@@ -731,7 +731,10 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
             f"config must be a PretrainedConfig or the folder or Hub id of one, got {type(config).__name__}."
         )
     recorded = config_io.verify_record(config)
-    changed_rope = [key for key in model_kwargs if key in _ROPE_FIELDS and _changes(config, key, model_kwargs[key])]
+    rope_kwargs = [key for key in model_kwargs if key in _ROPE_FIELDS]
+    changed_rope = [key for key in rope_kwargs if _changes(config, key, model_kwargs[key])]
+    for key in set(rope_kwargs) - set(changed_rope):
+        del model_kwargs[key]  # the checkpoint's own value: nothing to set
     if recorded is not None and changed_rope:
         raise ValueError(
             f"load_patched({', '.join(f'{key}=...' for key in changed_rope)}) would change the RoPE fields that the "
@@ -770,9 +773,16 @@ def load_patched(name_or_path: str | os.PathLike, *, restore: bool = True, **fro
 def _changes(config: Any, key: str, value: Any) -> bool:
     """Whether ``setattr(config, key, value)``, which from_pretrained does, changes the config: a value
     equal to the checkpoint's does not (``rope_scaling`` is compared as transformers reads it, into
-    ``rope_parameters``). A key the config has no attribute for counts as a change."""
+    ``rope_parameters``). A key the config has no attribute for is compared with ``rope_parameters``
+    (``rope_theta`` lives there in transformers 5), and a legacy ``rope_scaling`` without
+    ``rope_theta`` takes the config's, written beside it in config.json."""
+    parameters = getattr(config, "rope_parameters", None)
+    parameters = parameters if isinstance(parameters, dict) else {}
     if not hasattr(config, key):
-        return True
+        return not (key in parameters and parameters[key] == value)
+    value = copy.deepcopy(value)  # the trial below must not change the caller's object
+    if key == "rope_scaling" and isinstance(value, dict) and "rope_theta" in parameters:
+        value.setdefault("rope_theta", parameters["rope_theta"])
     trial = copy.deepcopy(config)
     with warnings.catch_warnings():  # transformers' FutureWarning for rope_scaling: given once, when it is set
         warnings.simplefilter("ignore", FutureWarning)

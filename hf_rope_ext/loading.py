@@ -38,6 +38,16 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16}
 
 
+def home_expanded(path: str | os.PathLike, name: str) -> Path:
+    """``path`` with ``~`` / ``~user`` expanded; ``ValueError`` naming ``name`` where it cannot be
+    (no such user, no home folder), not pathlib's bare ``RuntimeError``."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError as error:
+        raise ValueError(f"{name}={str(path)!r}: its '~' cannot be expanded ({str(error).rstrip('.')}); give the full "
+                         "path.") from None
+
+
 def cache_dir() -> Path:
     """Where converted checkpoints are kept: ``$HF_ROPE_EXT_CACHE`` (``~`` expanded; empty means
     unset) or ``~/.cache/hf_rope_ext``. A relative value is refused: each process would read it
@@ -45,7 +55,7 @@ def cache_dir() -> Path:
     value = os.environ.get("HF_ROPE_EXT_CACHE", "")
     if not value.strip():
         return Path.home() / ".cache" / "hf_rope_ext"
-    folder = Path(value).expanduser()
+    folder = home_expanded(value, "HF_ROPE_EXT_CACHE")
     if not folder.is_absolute():
         raise ValueError(
             f"HF_ROPE_EXT_CACHE={value!r} is a relative path, which names another folder in each working folder; set it "

@@ -26,7 +26,7 @@ from . import compat, config_io
 from .cache_consistency import CacheRecord, PrefixRecompute
 from .families import check_supported, tested_families
 from .forward_threads import ForwardThreads
-from .methods import default_inv_freq, list_methods
+from .methods import default_inv_freq, get_method, list_methods
 from .rotary import ExtendedRotaryEmbedding, attention_dropout_message
 from .spec import (
     DEFAULT_STEPS_PER_DOUBLING,
@@ -286,6 +286,15 @@ class _PatchToPutBack:
     training: bool
     config: Any
     config_values: dict[str, Any]
+    # where the patch's cache hooks recorded the caches it filled: the patch put back is the same
+    # patch, so a cache it filled before stays one it may continue
+    cache_records: tuple[tuple[str, str, Any], ...] = ()
+
+
+# What a patch records of the caches it filled: PrefixRecompute's logs (length-dependent methods),
+# CacheRecord's and AttentionPatch's FilledCaches, and CacheRecord's compiled_writes.
+_CACHE_RECORDS = (("cache_guard", "logs"), ("cache_guard", "filled"), ("cache_guard", "compiled_writes"),
+                  ("attention_patch", "filled"))  # fmt: skip
 
 
 def _patch_to_put_back(model: nn.Module) -> _PatchToPutBack | None:
@@ -300,7 +309,15 @@ def _patch_to_put_back(model: nn.Module) -> _PatchToPutBack | None:
             "(hf_rope_ext.register_method) or call unpatch_model(model) first."
         )
     _, rotary = _patched_modules(model)[0]
-    return _PatchToPutBack(previous, rotary.training, rotary.config, dict(vars(rotary.config)))
+    if rotary.method != get_method(previous.method):
+        # registered again since (unregister_method, register_method): the patch could not be rebuilt
+        raise ValueError(
+            f"This model is patched with method {previous.method!r}, which has been registered again since, with "
+            "other code; call unpatch_model(model) first, then patch_model(model, ...) with the method as it is now."
+        )
+    records = tuple((owner, name, getattr(getattr(rotary, owner), name)) for owner, name in _CACHE_RECORDS
+                    if hasattr(getattr(rotary, owner, None), name))  # fmt: skip
+    return _PatchToPutBack(previous, rotary.training, rotary.config, dict(vars(rotary.config)), records)
 
 
 def _put_back(model: nn.Module, previous: _PatchToPutBack | None, function: str = "patch_model") -> None:
@@ -335,7 +352,6 @@ def _takes_auto_option(option: str, value: Any) -> bool:
 def _unknown_auto_options_advice(unknown: dict[str, Any]) -> str:
     """A hint for each misspelt option (a close spelling that takes its value's type: following
     it must not lead to another error) and, for a method's parameter, how to set it."""
-    from .methods import get_method
 
     advice = []
     for name, value in unknown.items():
@@ -547,6 +563,8 @@ def _config_put_back(previous: _PatchToPutBack, rotary: ExtendedRotaryEmbedding)
         config._attn_implementation = rotary.attention_patch.name
         rotary.attention_patch.config = config
     rotary.config = config
+    for owner, name, record in previous.cache_records:
+        setattr(getattr(rotary, owner), name, record)
     return config
 
 

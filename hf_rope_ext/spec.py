@@ -251,11 +251,13 @@ class PatchSpec:
         original = self.original_max_position_embeddings  # beyond the limit alone: an int too large for a float
         if original > MAX_CONTEXT:
             check_context(original, "original_max_length")
-        check_context(self.scale * original - 1e-6, f"scale={self.scale!r} on an original context of {original} tokens")
         if (self.scale, original) != self._recorded_scale:
             set_field(self, "_recorded_scale", None)
-            # as patch_model does (the same function; a whole scale, such as max_length / L0, is kept)
+            # as patch_model does (the same function, which checks the rounded context; a whole
+            # scale, such as max_length / L0, is kept)
             set_field(self, "scale", whole_token_scale(self.scale, original))
+        else:  # a recorded scale, kept as written
+            check_context(self.scale * original - 1e-6, f"scale={self.scale!r} on an original context of {original} tokens")
         if self.rotary_dim is not None:
             rotary_dim = check_length(self.rotary_dim, "rotary_dim", "number of dimensions")
             if rotary_dim % 2:

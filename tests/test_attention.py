@@ -8,6 +8,7 @@ with the package.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import traceback
@@ -1641,6 +1642,39 @@ def test_gradient_checkpointing_with_the_callers_own_position_ids_reused_or_refi
     for reuse in ("as is", "refilled"):
         for actual, expected in zip(gradients(True, reuse), gradients(False, reuse)):
             torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+
+
+def test_a_failed_forward_with_gradients_and_position_ids_leaves_no_state_behind():
+    """The copy of position_ids a forward with gradients gets replaces the caller's in the call's
+    own keyword dict, which the cache hooks know the call by: a forward that fails (an id outside
+    the vocabulary) is counted out, and the rotary module goes back to its own frequencies."""
+    from transformers import DynamicCache
+
+    model = make_model("llama")
+    patch_model(model, scale=4)  # the default: length-dependent and attention-level
+    rotary = model.model.rotary_emb
+    probe, probe_positions = torch.zeros(1, 5, 64), torch.arange(5)[None]
+    before = rotary(probe, probe_positions)[0]
+    with pytest.raises(IndexError):
+        model(torch.full((1, LENGTH), 500), position_ids=torch.arange(LENGTH)[None])
+    assert rotary.frequency_length is None
+    torch.testing.assert_close(rotary(probe, probe_positions)[0], before, rtol=0, atol=0)
+    # the same failure inside a forward (run by a hook, caught): the outer forward's cache continues
+    ids, failed = random_ids(60), []
+
+    def fail_inside(module, args, output):
+        if not failed:
+            failed.append(True)
+            with contextlib.suppress(IndexError):
+                model(torch.full((1, 3), 500), position_ids=torch.arange(3)[None])
+
+    handle = model.model.layers[0].register_forward_hook(fail_inside)
+    try:
+        cache = model(ids[:, :50], past_key_values=DynamicCache(), use_cache=True).past_key_values
+    finally:
+        handle.remove()
+    continued = model(ids[:, 50:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(continued, model(ids).logits[:, 50:], rtol=1e-5, atol=1e-5)
 
 
 def test_a_layer_run_on_its_own_reads_the_current_regime_after_a_forward_with_its_position_ids():

@@ -273,6 +273,14 @@ def test_cache_path_expands_the_home_folder(tmp_path, monkeypatch):
     assert len(json.loads((tmp_path / "home" / "c.json").read_text())["entries"]) == 1
     again = choose_configuration(model, ids, 2, candidates=["yarn", "ntk"], cache_path="~/c.json", progress=False)
     assert again.from_cache and again.scores == choice.scores
+    # a "~user" that names no user: one line naming cache_path, before any forward
+    calls = _count_forwards(model)
+    with pytest.raises(ValueError, match=r"^cache_path='~no-such-user-here/c\.json': its '~' cannot be expanded"):
+        choose_configuration(model, ids, 2, candidates=["yarn"], cache_path="~no-such-user-here/c.json")
+    assert calls == []
+    monkeypatch.setenv("HF_ROPE_EXT_CACHE", "~no-such-user-here/cache")
+    with pytest.raises(ValueError, match=r"^HF_ROPE_EXT_CACHE='~no-such-user-here/cache': its '~' cannot be expanded"):
+        choose_configuration(model, ids, 2, candidates=["yarn"])
 
 
 def test_cache_path_with_cache_off_is_refused_in_one_line(tmp_path):

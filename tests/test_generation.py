@@ -758,6 +758,54 @@ def test_prompt_lookup_plans_the_candidates_it_verifies_past_max_length(source):
     torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
 
 
+class _Passthrough:
+    """A subclass's generate that takes everything on to transformers' (wrappers often do)."""
+
+    def generate(self, *args, **kwargs):
+        return super().generate(*args, **kwargs)
+
+
+class _DefaultLength:
+    """A subclass's generate with a length of its own by default."""
+
+    def generate(self, input_ids, max_new_tokens=24, **kwargs):
+        return super().generate(input_ids, max_new_tokens=max_new_tokens, **kwargs)
+
+
+@pytest.mark.parametrize("own_generate, length, new_tokens", [
+    (_Passthrough, {"max_new_tokens": 24}, 24), (_Passthrough, {}, 20), (_DefaultLength, {}, 24),
+])
+def test_a_subclass_generate_is_planned_as_it_calls_transformers(own_generate, length, new_tokens):
+    """A model class whose own generate has another signature: the plan reads the prompt it hands
+    on and the length it sets by default, so the call recomputes nothing."""
+    base = make_model("llama")
+    model = type("Subclass", (own_generate, type(base)), {})(base.config)
+    model.load_state_dict(base.state_dict())
+    model.eval()
+    patch_model(model, scale=4, method="dynamic-yarn")
+    prompt = random_ids(L0 + 18)
+    out = model.generate(prompt, **length, do_sample=False, pad_token_id=0, eos_token_id=None,
+                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    final = L0 + 18 + new_tokens
+    assert out.sequences.shape[1] == final
+    assert recomputations(model) == 0
+    with torch.no_grad(), planned_length(model, final):
+        full = model(out.sequences[:, :-1]).logits[:, L0 + 17 :]
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
+
+
+def test_early_exit_with_prompt_lookup_recomputes_nothing():
+    """assistant_early_exit's drafter runs the model's own generate with the call's prompt lookup,
+    whose drafts reach past max_length as prompt lookup's do."""
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    prompt = random_ids(L0 + 18)
+    out = model.generate(prompt, max_new_tokens=40, prompt_lookup_num_tokens=5, assistant_early_exit=1,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    assert out.shape[1] == L0 + 58
+    assert recomputations(model) == 0
+
+
 # -- the cache operations the prefix recompute follows -----------------------------------------
 #
 # Without a plan and with steps_per_doubling=None, a call that continues a cache past the

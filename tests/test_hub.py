@@ -2255,7 +2255,8 @@ def test_save_patched_refuses_keyword_arguments_save_pretrained_would_ignore(tmp
     with pytest.raises(ValueError, match=r"takes no is_main_process=False; call it on the main process only"):
         save_patched(model, written, is_main_process=False)
     assert sorted(path.name for path in written.iterdir()) == before
-    save_patched(model, tmp_path / "main", is_main_process=True)
+    for truthy in (True, 1):  # read by truth, as save_pretrained reads it
+        assert (save_patched(model, tmp_path / f"main-{truthy!r}", is_main_process=truthy) / "config.json").is_file()
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
@@ -2288,6 +2289,15 @@ def test_load_patched_accepts_rope_keyword_arguments_equal_to_the_checkpoints(tm
     torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=2e-5)
     with pytest.raises(ValueError, match=r"^load_patched\(max_position_embeddings=\.\.\.\) would change"):
         load_patched(folder, **{**same, "max_position_embeddings": read.max_position_embeddings + 1})
+    # the spellings config.json also holds: rope_theta (in rope_parameters in transformers 5) and the
+    # legacy rope_scaling, written without rope_theta (it sits beside it); the caller's dict is left as given
+    saved = json.loads((folder / "config.json").read_text())
+    legacy = dict(saved["rope_scaling"])
+    loaded = load_patched(folder, rope_theta=saved["rope_theta"], rope_scaling=legacy)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=2e-5)
+    assert legacy == saved["rope_scaling"]
+    with pytest.raises(ValueError, match=r"^load_patched\(rope_theta=\.\.\.\) would change"):
+        load_patched(folder, rope_theta=saved["rope_theta"] * 2)
 
 
 def test_offline_hub_cache_messages_name_the_missing_subfolder_or_revision(tmp_path, monkeypatch):

@@ -505,7 +505,8 @@ def test_only_the_scale_as_recorded_is_kept_a_changed_copy_is_rounded():
 
 @pytest.mark.parametrize(
     "scale, original",
-    [(8 + 0.0004 / 131072, 131072), (4 + 0.3 / 2**20, 2**20), (2 + 1e-9, 2**27), (3.3, 32), (101 / 3, 3)],
+    [(8 + 0.0004 / 131072, 131072), (4 + 0.3 / 2**20, 2**20), (2 + 1e-9, 2**27), (3.3, 32), (101 / 3, 3),
+     ((2**31 - 1 + 0.3) / 64, 64)],  # just past the limit of positions, rounded back to it
 )
 def test_the_constructor_gives_the_whole_token_scale_for_long_contexts_too(scale, original):
     from hf_rope_ext import PatchSpec

@@ -648,6 +648,59 @@ def test_patched_does_not_hide_the_blocks_own_error_when_the_block_unpatched():
     assert get_patch_info(model) == info  # the patch from before the block is back
 
 
+@pytest.mark.parametrize("method", ["yarn", "dynamic-yarn", "self-extend", "self-extend-yarn"])
+@pytest.mark.parametrize("put_back", ["refused re-patch", "patched() block", "check_configurations"])
+def test_a_cache_filled_under_a_patch_continues_after_that_patch_is_put_back(method, put_back):
+    """The patch put back is the model's own: a KV cache it filled before continues, equal to a
+    full forward over the same tokens, as without the interruption."""
+    from hf_rope_ext.auto import check_configurations
+
+    model = make_model("llama")
+    patch_model(model, scale=4, method=method)
+    ids = random_ids(100)
+    with torch.no_grad(), hf_rope_ext.planned_length(model, 100):  # one set of frequencies for all
+        cache = model(ids[:, :90], use_cache=True).past_key_values
+    if put_back == "refused re-patch":
+        with pytest.raises(ValueError):
+            patch_model(model, scale=4, method=method, steps_per_doubling=-1)
+    elif put_back == "patched() block":
+        with patched(model, 2, "ntk"):
+            pass
+    else:
+        check_configurations(model, ["yarn"], 4)
+    with torch.no_grad(), hf_rope_ext.planned_length(model, 100):
+        continued = model(ids[:, 90:], past_key_values=cache, use_cache=True).logits
+        full = model(ids).logits[:, 90:]
+    torch.testing.assert_close(continued, full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_user_method_registered_again_is_not_rebuilt_into_a_patched_model():
+    """A model patched with a user method that was registered again since (other code) keeps the
+    patch it runs: putting a patch back (patched(), a refused re-patch) is refused in one line."""
+    def halved(dim, base, params, length):
+        return default_inv_freq(dim, base) / params["factor"], 1.0
+
+    def quartered(dim, base, params, length):
+        return default_inv_freq(dim, base) / (2 * params["factor"]), 1.0
+
+    hf_rope_ext.register_method("mine-again", halved)
+    try:
+        model = make_model("llama")
+        patch_model(model, scale=4, method="mine-again")
+        ids = random_ids(100)
+        with torch.no_grad():
+            before = model(ids).logits
+        hf_rope_ext.unregister_method("mine-again")
+        hf_rope_ext.register_method("mine-again", quartered)
+        with pytest.raises(ValueError, match="registered again since, with other code; call unpatch_model"):
+            with patched(model, 2, "ntk"):
+                pass
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+    finally:
+        hf_rope_ext.unregister_method("mine-again")
+
+
 @pytest.mark.parametrize("put_back", ["after a patched() block", "after a refused re-patch"])
 def test_a_patch_put_back_keeps_its_config_and_its_rotary_modules_mode(put_back):
     """The patch put back is the one the model had: the same config object, with the changes made
