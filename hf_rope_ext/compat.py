@@ -232,21 +232,33 @@ def _generate_arguments(model: Any, args: tuple, kwargs: dict) -> dict[str, Any]
         arguments = call_arguments(signature, args, kwargs)
     except (TypeError, ValueError, AttributeError):  # no generate, no signature, or arguments that do not bind
         return {**kwargs, "inputs": args[0]} if args else dict(kwargs)
-    # A subclass's own generate may set a length by default (generate(self, ids, max_new_tokens=40)).
+    # A subclass's own generate may set a length, or a whole config, by default
+    # (generate(self, ids, max_new_tokens=40), generation_config=GenerationConfig(...)).
     for name in _LENGTH_SETTINGS:
         parameter = signature.parameters.get(name)
         if name not in arguments and parameter is not None and parameter.default not in (None, parameter.empty):
             arguments[name] = parameter.default
     # ... and take its prompt under another name (generate(self, *args, **kwargs), generate(self, prompt)):
-    # what it hands on to transformers' generate as the inputs is its first positional argument.
+    # its first parameter, given by position or by name, read as the prompt where it holds token ids.
     prompt_names = ("inputs", getattr(model, "main_input_name", "input_ids"), "inputs_embeds")
-    if args and not any(isinstance(arguments.get(name), torch.Tensor) for name in prompt_names):
-        arguments["inputs"] = args[0]
+    if not any(isinstance(arguments.get(name), torch.Tensor) for name in prompt_names):
+        first = next(iter(signature.parameters.values()), None)
+        if first is not None and first.kind is first.VAR_POSITIONAL:
+            candidate = args[0] if args else None
+        else:
+            candidate = None if first is None else arguments.get(first.name)
+        if _token_ids(candidate):
+            arguments["inputs"] = candidate
     return arguments
 
 
+def _token_ids(value: Any) -> bool:
+    """Whether ``value`` looks like a batch of token ids (an integer tensor of shape (batch, length))."""
+    return isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point() and not value.is_complex()
+
+
 # The call's settings that decide its final length (see planned_generation_length).
-_LENGTH_SETTINGS = ("max_new_tokens", "max_length", "prompt_lookup_num_tokens")
+_LENGTH_SETTINGS = ("max_new_tokens", "max_length", "prompt_lookup_num_tokens", "generation_config")
 
 
 def _candidates_past_max_length(setting: Any) -> int:

@@ -286,15 +286,6 @@ class _PatchToPutBack:
     training: bool
     config: Any
     config_values: dict[str, Any]
-    # where the patch's cache hooks recorded the caches it filled: the patch put back is the same
-    # patch, so a cache it filled before stays one it may continue
-    cache_records: tuple[tuple[str, str, Any], ...] = ()
-
-
-# What a patch records of the caches it filled: PrefixRecompute's logs (length-dependent methods),
-# CacheRecord's and AttentionPatch's FilledCaches, and CacheRecord's compiled_writes.
-_CACHE_RECORDS = (("cache_guard", "logs"), ("cache_guard", "filled"), ("cache_guard", "compiled_writes"),
-                  ("attention_patch", "filled"))  # fmt: skip
 
 
 def _patch_to_put_back(model: nn.Module) -> _PatchToPutBack | None:
@@ -315,9 +306,7 @@ def _patch_to_put_back(model: nn.Module) -> _PatchToPutBack | None:
             f"This model is patched with method {previous.method!r}, which has been registered again since, with "
             "other code; call unpatch_model(model) first, then patch_model(model, ...) with the method as it is now."
         )
-    records = tuple((owner, name, getattr(getattr(rotary, owner), name)) for owner, name in _CACHE_RECORDS
-                    if hasattr(getattr(rotary, owner, None), name))  # fmt: skip
-    return _PatchToPutBack(previous, rotary.training, rotary.config, dict(vars(rotary.config)), records)
+    return _PatchToPutBack(previous, rotary.training, rotary.config, dict(vars(rotary.config)))
 
 
 def _put_back(model: nn.Module, previous: _PatchToPutBack | None, function: str = "patch_model") -> None:
@@ -563,8 +552,6 @@ def _config_put_back(previous: _PatchToPutBack, rotary: ExtendedRotaryEmbedding)
         config._attn_implementation = rotary.attention_patch.name
         rotary.attention_patch.config = config
     rotary.config = config
-    for owner, name, record in previous.cache_records:
-        setattr(getattr(rotary, owner), name, record)
     return config
 
 

@@ -772,24 +772,65 @@ class _DefaultLength:
         return super().generate(input_ids, max_new_tokens=max_new_tokens, **kwargs)
 
 
-@pytest.mark.parametrize("own_generate, length, new_tokens", [
-    (_Passthrough, {"max_new_tokens": 24}, 24), (_Passthrough, {}, 20), (_DefaultLength, {}, 24),
+class _NamedPrompt:
+    """A subclass's generate that names its prompt otherwise."""
+
+    def generate(self, prompt=None, **kwargs):
+        return super().generate(prompt, **kwargs)
+
+
+class _DefaultConfig:
+    """A subclass's generate with a generation config of its own by default."""
+
+    def generate(self, inputs=None, generation_config=GenerationConfig(max_new_tokens=24), **kwargs):
+        return super().generate(inputs, generation_config, **kwargs)
+
+
+class _OwnPrompt:
+    """A subclass's generate whose first argument is not the prompt (features it builds one from)."""
+
+    def generate(self, features, **kwargs):
+        return super().generate(random_ids(L0 + 18), **kwargs)
+
+
+@pytest.mark.parametrize("own_generate, length, new_tokens, by_name", [
+    (_Passthrough, {"max_new_tokens": 24}, 24, None), (_Passthrough, {}, 20, None), (_DefaultLength, {}, 24, None),
+    (_NamedPrompt, {"max_new_tokens": 24}, 24, "prompt"), (_DefaultConfig, {}, 24, None),
 ])
-def test_a_subclass_generate_is_planned_as_it_calls_transformers(own_generate, length, new_tokens):
+def test_a_subclass_generate_is_planned_as_it_calls_transformers(own_generate, length, new_tokens, by_name):
     """A model class whose own generate has another signature: the plan reads the prompt it hands
-    on and the length it sets by default, so the call recomputes nothing."""
+    on (by position or by its own name) and the length or config it sets by default, so the call
+    recomputes nothing."""
     base = make_model("llama")
     model = type("Subclass", (own_generate, type(base)), {})(base.config)
     model.load_state_dict(base.state_dict())
     model.eval()
     patch_model(model, scale=4, method="dynamic-yarn")
     prompt = random_ids(L0 + 18)
-    out = model.generate(prompt, **length, do_sample=False, pad_token_id=0, eos_token_id=None,
+    args, prompt_kwargs = ((), {by_name: prompt}) if by_name else ((prompt,), {})
+    out = model.generate(*args, **prompt_kwargs, **length, do_sample=False, pad_token_id=0, eos_token_id=None,
                          output_logits=True, return_dict_in_generate=True)  # fmt: skip
     final = L0 + 18 + new_tokens
     assert out.sequences.shape[1] == final
     assert recomputations(model) == 0
     with torch.no_grad(), planned_length(model, final):
+        full = model(out.sequences[:, :-1]).logits[:, L0 + 17 :]
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
+
+
+def test_a_first_argument_that_is_not_token_ids_is_not_read_as_the_prompt():
+    """Float features handed to a subclass's generate are no prompt: the plan does not count them
+    (a prompt of 400 tokens would plan past the extended context, with other frequencies); the
+    call then goes unplanned, each step equal to a full forward up to it."""
+    base = make_model("llama")
+    model = type("Subclass", (_OwnPrompt, type(base)), {})(base.config)
+    model.load_state_dict(base.state_dict())
+    model.eval()
+    patch_model(model, scale=4, method="self-extend-yarn")
+    out = model.generate(torch.randn(1, 400), max_new_tokens=10, do_sample=False, pad_token_id=0,
+                         eos_token_id=None, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    assert out.sequences.shape[1] == L0 + 28
+    with torch.no_grad():
         full = model(out.sequences[:, :-1]).logits[:, L0 + 17 :]
     torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
 

@@ -649,28 +649,35 @@ def test_patched_does_not_hide_the_blocks_own_error_when_the_block_unpatched():
 
 
 @pytest.mark.parametrize("method", ["yarn", "dynamic-yarn", "self-extend", "self-extend-yarn"])
-@pytest.mark.parametrize("put_back", ["refused re-patch", "patched() block", "check_configurations"])
-def test_a_cache_filled_under_a_patch_continues_after_that_patch_is_put_back(method, put_back):
-    """The patch put back is the model's own: a KV cache it filled before continues, equal to a
-    full forward over the same tokens, as without the interruption."""
+@pytest.mark.parametrize("put_back", ["patched() block", "check_configurations"])
+def test_a_cache_filled_before_a_patch_is_put_back_is_refused_after_it(method, put_back):
+    """A patch put back starts with no record of the KV caches filled before: the patch used
+    meanwhile may have reset and refilled one of them (generate does so with a reused static
+    cache), which a record from before would read as cropped and continue with states written
+    under another patch. Such a cache is refused in one line; a new one equals a full forward."""
+    from transformers import StaticCache
+
     from hf_rope_ext.auto import check_configurations
 
     model = make_model("llama")
     patch_model(model, scale=4, method=method)
-    ids = random_ids(100)
-    with torch.no_grad(), hf_rope_ext.planned_length(model, 100):  # one set of frequencies for all
-        cache = model(ids[:, :90], use_cache=True).past_key_values
-    if put_back == "refused re-patch":
-        with pytest.raises(ValueError):
-            patch_model(model, scale=4, method=method, steps_per_doubling=-1)
-    elif put_back == "patched() block":
-        with patched(model, 2, "ntk"):
-            pass
+    ids = random_ids(60)
+    cache = StaticCache(config=model.config, max_cache_len=100)
+    with torch.no_grad():
+        model(ids[:, :40], past_key_values=cache, use_cache=True)
+    if put_back == "patched() block":
+        with patched(model, 2, "ntk"), torch.no_grad():
+            cache.reset()
+            model(ids[:, :30], past_key_values=cache, use_cache=True)  # 30 tokens under ntk
     else:
         check_configurations(model, ["yarn"], 4)
-    with torch.no_grad(), hf_rope_ext.planned_length(model, 100):
-        continued = model(ids[:, 90:], past_key_values=cache, use_cache=True).logits
-        full = model(ids).logits[:, 90:]
+    with torch.no_grad(), pytest.raises(ValueError, match="not written under this model's current") as error:
+        model(ids[:, 30:50], past_key_values=cache, use_cache=True)
+    assert "\n" not in str(error.value)
+    with torch.no_grad(), hf_rope_ext.planned_length(model, 60):
+        fresh = model(ids[:, :40], use_cache=True).past_key_values
+        continued = model(ids[:, 40:], past_key_values=fresh, use_cache=True).logits
+        full = model(ids).logits[:, 40:]
     torch.testing.assert_close(continued, full, rtol=1e-5, atol=1e-5)
 
 
