@@ -107,7 +107,8 @@ def foreign_cache_error(held: int, written: int, method: str | None, argument: s
     patch = "patch" if method is None else f"'{method}' patch"
     return ValueError(
         f"The KV cache passed to the model holds {held} tokens, {held - written} of them not written under this "
-        f"model's current {patch} (filled before patching, under another patch, or outside the model), so "
+        f"model's current {patch} (filled before patching, under another patch, outside the model, or before "
+        "this patch was put back by a patched() block, a refused re-patch or check_configurations), so "
         f"their states carry other positions or frequencies; start from a fresh cache ({argument or 'cache'}=None) "
         "or run the whole sequence in one forward."
     )
