@@ -1655,8 +1655,9 @@ class AttentionPatch:
             max_distance=max_distance,
         )
 
-    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Forward pre-hook of the model.
+    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward pre-hook of the model. Returns the call, with a copy of the caller's
+        ``position_ids`` when gradients are on (see :meth:`_forward_context`).
 
         The geometry recorded by :meth:`mask` belongs to one forward: a forward whose mask
         function does not run must not read an earlier one's. Masks given by layer type (a dict)

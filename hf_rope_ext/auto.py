@@ -413,8 +413,8 @@ def choose_configuration(
     if cache_path is not None:
         if not cache:
             raise ValueError(f"cache_path={str(cache_path)!r} was given with cache=False, which neither reads nor "
-                             "writes it; drop cache_path to measure without a cache, or cache=False to use that "
-                             "file.")  # fmt: skip
+                             "writes it; drop cache_path to measure without a cache, or drop cache=False to use "
+                             "that file.")  # fmt: skip
         if not isinstance(cache_path, (str, os.PathLike)):
             raise TypeError(f"cache_path must be a file path (str or pathlib.Path), got {cache_path!r}.")
         from .loading import home_expanded
