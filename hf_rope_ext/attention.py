@@ -1482,10 +1482,10 @@ class AttentionPatch:
         if known is not None:
             return known
         beyond = self.remap_applies is None or bool(self.remap_applies())
-        context = _ForwardContext(beyond, dict(self.geometry))
         if keyed and torch.is_grad_enabled() and threading.get_ident() in self.forward_threads.depths:
-            self.forward_contexts[position_ids] = context
-        return context
+            context = self.forward_contexts[position_ids] = _ForwardContext(beyond, dict(self.geometry))
+            return context
+        return _ForwardContext(beyond, self.geometry)  # read at once: no copy
 
     def _current_remap(self, beyond_settle: bool) -> tuple[PositionRemap | None, torch.Tensor, KeyRotationTables]:
         """The remap of a forward, the frequencies it rotates with, and its key tables."""
@@ -1870,15 +1870,20 @@ def _cache_geometry(cache: Any, query_len: int | None) -> dict[tuple[int, int], 
     return geometry
 
 
+def _forward_signature(module: nn.Module) -> inspect.Signature:
+    """The signature of ``module``'s forward, read once per class."""
+    signature = _FORWARD_SIGNATURES.get(type(module))
+    if signature is None:
+        signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(module.forward)
+    return signature
+
+
 def _forward_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
     """A call to the model's forward, its arguments by name (None where they do not bind)."""
     from . import compat
 
-    signature = _FORWARD_SIGNATURES.get(type(module))
-    if signature is None:
-        signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(module.forward)
     try:
-        return compat.call_arguments(signature, args, kwargs)
+        return compat.call_arguments(_forward_signature(module), args, kwargs)
     except TypeError:
         return None
 
@@ -1893,10 +1898,7 @@ def _own_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
         # hooks (cache_consistency's) know the call by it.
         kwargs["position_ids"] = kwargs["position_ids"].clone()
         return args, kwargs
-    signature = _FORWARD_SIGNATURES.get(type(module))
-    if signature is None:
-        signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(module.forward)
-    names = list(signature.parameters)
+    names = list(_forward_signature(module).parameters)
     index = names.index("position_ids") if "position_ids" in names else None
     if index is not None and index < len(args) and isinstance(args[index], torch.Tensor):
         return (*args[:index], args[index].clone(), *args[index + 1:]), kwargs

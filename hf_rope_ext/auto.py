@@ -29,6 +29,7 @@ checkpoint (yarn, ntk). A list of
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -398,6 +399,7 @@ def choose_configuration(
     own mode) before the cache is read, and measured in eval mode; the model is left in its
     modes and with its patch.
     """
+    from .evaluation.perplexity import eval_mode
     from .evaluation.runner import model_fingerprint
     from .methods import is_builtin
     from .patching import _patch_to_put_back, _put_back, _rotary_target, get_patch_info, original_context_length
@@ -432,12 +434,9 @@ def choose_configuration(
             f"{int(ids.min())} .. {int(ids.max())}. Tokenize with the model's own tokenizer."
         )
     previous = _patch_to_put_back(model)
-    modes: dict[nn.Module, bool] = {}
+    measuring = contextlib.ExitStack()
     try:
         target = _rotary_target(model)  # unpatches, so the fingerprint and the scores start from the original model
-        # The caller's train/eval mode of every module, put back afterwards: the candidates are
-        # measured in eval mode (with dropout on the losses are noise).
-        modes = {module: module.training for module in model.modules()}
         original_length = original_context_length(target.config, original_max_length)
         resolved_scale = resolve_scale(scale, max_length, original_length)
         target_length = extended_length(original_length, resolved_scale)
@@ -457,8 +456,8 @@ def choose_configuration(
             if not is_builtin(get_patch_info(model).method):
                 user_methods.append(configuration)
             unpatch_model(model)
-        for module in modes:
-            module.training = False
+        # measured in eval mode (with dropout on the losses are noise), every module's mode put back after
+        measuring.enter_context(eval_mode(model))
         # The model, its precision (weights and autocast) and its attention kernel are part of the
         # question: the same weights in bf16 (whose fingerprint equals fp32's) or another model
         # sharing cache_path must not be answered with these numbers.
@@ -515,8 +514,7 @@ def choose_configuration(
         logger.info("Calibration:\n%s", choice.table())
         return choice
     finally:
-        for module, training in modes.items():
-            module.training = training
+        measuring.close()
         _put_back(model, previous)  # its patch, with the config object and rotary mode it had
 
 

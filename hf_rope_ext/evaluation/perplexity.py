@@ -218,12 +218,12 @@ def token_losses(
         raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}.")
     decoder, head = _decoder_and_head(model)
     device = _input_device(model)
-    with _eval_mode(model):
+    with eval_mode(model):
         return _token_losses(model, decoder, head, device, ids, first_target, chunk_size, position_ids)
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module):
+def eval_mode(model: nn.Module):
     """Every module in eval mode during a measurement (with dropout on, a loss is noise), each
     module's own mode put back afterwards, also when it fails."""
     modes = {module: module.training for module in model.modules()}
