@@ -3,6 +3,7 @@
 1. Forward time of the patched model over the unpatched one, for each static method (or the
    ``--forward-methods`` given), at ``--forward-tokens`` tokens (target: ratio <= 1.02 for
    frequency methods; attention-level methods, measured beyond the native context, <= 1.5).
+   On CUDA also the peak memory each case's forwards held (``torch.cuda.max_memory_allocated``).
 2. Total ``generate`` time of hf_rope_ext's cache-exact ``dynamic`` against transformers' own
    ``dynamic`` type (frequencies of every length, stale cache) for four shapes: prompts of 1.1,
    1.5 and 1.9 x the original context with 256 new tokens, and a prompt of the original context
@@ -165,16 +166,24 @@ def forward_benchmark(model, ids, repeats: int, methods=STATIC_METHODS, scale: f
     # Interleave the cases in every round so drifts in machine load hit all of them alike; the
     # minimum over rounds is the least disturbed measurement.
     times = {name: [] for name in ("none", *methods)}
+    peaks = {name: 0 for name in times}  # bytes the CUDA allocator held at most during each case's forwards
     for _ in range(repeats):
         for name in times:
             if name != "none":
                 patch_model(model, scale=scale, method=name)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             times[name].append(timed(forward, device))
+            if device.type == "cuda":
+                peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device))
             if name != "none":
                 unpatch_model(model)
     baseline = min(times["none"])
     results = {name: {"min_s": min(values), "median_s": statistics.median(values), "ratio": min(values) / baseline}
                for name, values in times.items()}
+    if device.type == "cuda":  # the weights included: what the device must hold for this forward
+        for name, peak in peaks.items():
+            results[name]["peak_gib"] = peak / 2**30
 
     # The rotary module alone: what the patch adds to each forward, without the noise of the rest.
     positions = torch.arange(ids.shape[1], device=device)[None]
@@ -368,7 +377,8 @@ def _run(args: argparse.Namespace) -> int:
         for name, row in report["forward"].items():
             if isinstance(row, dict):
                 print(f"  {name:<8} {row['min_s']:8.3f} s ({row['median_s']:.3f})   patched/unpatched {row['ratio']:.3f}"
-                      f"   rotary module {row['rotary_ms']:.2f} ms ({row['rotary_extra_share']:+.3%} of the forward)")
+                      f"   rotary module {row['rotary_ms']:.2f} ms ({row['rotary_extra_share']:+.3%} of the forward)"
+                      + (f"   peak GPU memory {row['peak_gib']:.2f} GiB" if "peak_gib" in row else ""))
     step_methods = args.decode_step_methods
     if step_methods:
         ids = random_ids(vocabulary, args.decode_step_tokens + 1, torch.Generator().manual_seed(args.seed)).to(device)
