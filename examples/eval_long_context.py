@@ -35,10 +35,9 @@ from hf_rope_ext.arguments import (
 from hf_rope_ext.cli import one_line
 from hf_rope_ext.data import check_text_file
 from hf_rope_ext.evaluation import EvalPlan, run_evaluation
-from hf_rope_ext.evaluation.cli import float_list, int_list, name_list
+from hf_rope_ext.evaluation.cli import float_list, int_list, load_for_evaluation, name_list
 from hf_rope_ext.evaluation.documents import documents_from_files
 from hf_rope_ext.evaluation.records import EXACT_STEPS, EvaluationError, check_output_dir, parse_steps_per_doubling
-from hf_rope_ext.loading import load_model
 from hf_rope_ext.patching import DEFAULT_STEPS_PER_DOUBLING
 
 
@@ -114,8 +113,9 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as error:
         raise OSError(f"Cannot create --output-dir {args.output_dir}: {error.strerror or error}. Pass a folder that "
                       "can be created.") from None
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
-                                  attn_implementation=args.attn_implementation)  # fmt: skip
+    # a save_patched checkpoint is evaluated from its base RoPE, as `hf-rope-ext eval` does
+    model, tokenizer = load_for_evaluation(args.model, dtype=args.dtype, device=args.device,
+                                           attn_implementation=args.attn_implementation)  # fmt: skip
     documents = documents_from_files(tokenizer, args.text_files)
     run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=model_label(args.model),
                    dtype=args.dtype)  # fmt: skip

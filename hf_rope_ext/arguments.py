@@ -5,6 +5,8 @@ One spelling convention: dashes (``--text-files``, ``--attn-implementation``). T
 spellings (``--text_files``, ``--text-file``, ``--text_file``, any ``--x_y`` of a ``--x-y``)
 still parse as hidden aliases: they are option strings of the same action, so argparse treats
 them exactly like the dash spelling, and :class:`HelpFormatter` leaves them out of ``--help``.
+:class:`ArgumentParser` takes an abbreviation that matches one option under any of its spellings
+(``--out`` for ``--output-dir``) and names options by their dash spelling in its errors.
 
 Each option is given once: :class:`ArgumentParser` (what :func:`argument_parser` returns, and
 what ``hf-rope-ext`` and its subcommands use) refuses one given twice under any of its spellings,
@@ -124,8 +126,9 @@ class ArgumentParser(argparse.ArgumentParser):
     --output_dir b``) is an ``error:`` (exit 2) naming it, not the last value silently winning.
 
     Its store actions (``store``, ``store_const``, ``store_true``, ``store_false``) refuse a second
-    occurrence; ``append``, ``extend`` and ``count`` repeat as usual. Subcommand parsers made by
-    ``add_subparsers`` are of this class too."""
+    occurrence; ``append``, ``extend`` and ``count`` repeat as usual. Abbreviations and error messages
+    see only the spellings ``--help`` shows. Subcommand parsers made by ``add_subparsers`` are of this
+    class too."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -137,6 +140,29 @@ class ArgumentParser(argparse.ArgumentParser):
         # The options given in this parse: {dest: (action, spelling)}; a subcommand's parser keeps its own.
         self._given_once: dict[str, tuple[argparse.Action, str]] = {}
         return super().parse_known_args(args, namespace)
+
+    def _get_option_tuples(self, option_string):
+        # A prefix (--out) matches an option's dash spelling and its hidden aliases (--output-dir,
+        # --output_dir): one option, not an ambiguity. Keep one match per action, the shown spelling
+        # where it matched. Each tuple starts (action, option_string, ...) on Python 3.11 and 3.12+.
+        matches: dict[int, tuple] = {}
+        for match in super()._get_option_tuples(option_string):
+            action, spelling = match[0], match[1]
+            hidden = getattr(action, _HIDDEN, ())
+            kept = matches.get(id(action))
+            if kept is None or (kept[1] in hidden and spelling not in hidden):
+                matches[id(action)] = match
+        return list(matches.values())
+
+    def error(self, message: str) -> typing.NoReturn:
+        # argparse names an option by all its option strings ("the following arguments are required:
+        # --text-files/--text_files/..."); name it by the spellings --help shows.
+        for action in self._actions:
+            hidden = getattr(action, _HIDDEN, ())
+            if hidden:
+                shown = "/".join(option for option in action.option_strings if option not in hidden)
+                message = message.replace("/".join(action.option_strings), shown)
+        super().error(message)
 
 
 def argument_parser(description: str | None = None, **kwargs: Any) -> ArgumentParser:

@@ -605,7 +605,7 @@ def add_parser(subparsers) -> None:
 
 def _auto_command(args) -> int:
     from .arguments import check_attention_backend
-    from .config_io import RECORD_ATTRIBUTE
+    from .config_io import read_record
     from .data import read_text, tokenize
     from .hub import restore_patch
     from .loading import cache_dir, load_model
@@ -620,7 +620,7 @@ def _auto_command(args) -> int:
     text = read_text(args.text_files[0])
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
                                   attn_implementation=args.attn_implementation)  # fmt: skip
-    if getattr(model.config, RECORD_ATTRIBUTE, None) is not None:
+    if read_record(model.config) is not None:  # a present null is refused as an edited record
         # A checkpoint saved patched: its config holds the patched RoPE. Rebuild the patch, so the
         # candidates are measured from the original RoPE, as patch_model does after load_patched.
         restore_patch(model)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .arguments import add_option, model_label
+from .arguments import HelpFormatter, add_option, model_label
 from .config_io import read_record
 from .hub import read_checked_config
 from .loading import SMOLLM2_ALIASES, expand_home, resolve_model_path
@@ -56,6 +56,7 @@ def _parse_param(text: str) -> tuple[str, Any]:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "runtimes",
+        formatter_class=HelpFormatter,  # hides the underscore aliases, as the other subcommands do
         help="print the vLLM and llama.cpp settings equivalent to a patch",
         description=(
             "Print vLLM (--hf-overrides, --max-model-len) and llama.cpp (--rope-scaling ... flags, GGUF keys) settings "

@@ -10,6 +10,8 @@ import copy
 import dataclasses
 import inspect
 import logging
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -190,6 +192,11 @@ def planned_generation_length(model: Any, args: tuple, kwargs: dict) -> int:
     reads: the patch's extended context, which the planning ``generate`` puts there for the call
     (see ``cache_consistency``). Prompt-lookup decoding verifies candidates past that length, which
     the plan covers too (``_candidates_past_max_length``).
+
+    An unbounded length (``max_new_tokens`` or ``max_length`` ``float("inf")``, which transformers
+    runs until a stopping criterion, eos or ``max_time`` ends the call) is planned as
+    ``max_length`` = that context: the longest the patch is made for, so the call recomputes nothing
+    before it. A length that is no number of tokens (nan, "x") is refused (``_whole_tokens``).
     """
     arguments = _generate_arguments(model, args, kwargs)
     inputs = arguments.get("inputs")
@@ -205,14 +212,18 @@ def planned_generation_length(model: Any, args: tuple, kwargs: dict) -> int:
             return arguments[name]
         return next((getattr(config, name) for config in configs if getattr(config, name, None) is not None), None)
 
-    max_new_tokens, max_length = setting("max_new_tokens"), setting("max_length")
+    max_new_tokens = _whole_tokens(setting("max_new_tokens"), "max_new_tokens", unbounded=True)
+    max_length = _whole_tokens(setting("max_length"), "max_length", unbounded=True)
     # The generated ids start at ids_width (0 for inputs_embeds alone); embeddings in their place
     # make the sequence the model sees that much longer.
     extra = 0 if embeds_width is None else embeds_width - ids_width
-    if max_new_tokens is not None:
-        final = ids_width + int(max_new_tokens)
+    if max_new_tokens == math.inf or (max_new_tokens is None and max_length == math.inf):
+        context = _context_during_generate(model)  # as max_length = context (the prompt alone without one)
+        final = ids_width if context is None else context - (embeds_width if extra else 0)
+    elif max_new_tokens is not None:
+        final = ids_width + max_new_tokens
     elif max_length is not None:
-        final = int(max_length) - (embeds_width if extra else 0)
+        final = max_length - (embeds_width if extra else 0)
     else:
         final = _DEFAULT_MAX_LENGTH + ids_width
         context = _context_during_generate(model)
@@ -271,8 +282,23 @@ def _candidates_past_max_length(setting: Any) -> int:
     models' candidates stop at ``max_length - 1`` (``_calculate_new_tokens``); early exit's drafter
     runs the same model's ``generate`` with the call's prompt lookup, whose drafts then reach as far.
     """
-    lookup = setting("prompt_lookup_num_tokens")
-    return 0 if lookup is None else max(int(lookup) - 2, 0)
+    lookup = _whole_tokens(setting("prompt_lookup_num_tokens"), "prompt_lookup_num_tokens")
+    return 0 if lookup is None else max(lookup - 2, 0)
+
+
+def _whole_tokens(value: Any, name: str, *, unbounded: bool = False) -> int | float | None:
+    """A length setting of a ``generate`` call as an int (5.7 -> 5; None stays None); with
+    ``unbounded``, ``float("inf")`` (no limit, to transformers) stays ``math.inf``. Anything else that
+    is no number of tokens (nan, -inf, "x") is refused here, where ``int()`` would fail without
+    naming the setting, before the call's first forward."""
+    if value is None or (unbounded and isinstance(value, numbers.Real) and value == math.inf):
+        return value
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        also = f", or {name}=float('inf') to let a stopping criterion end the call" if unbounded else ""
+        error = ValueError if isinstance(value, numbers.Real) else TypeError
+        raise error(f"generate's {name} must be a whole number of tokens, got {value!r}; pass an int{also}.") from None
 
 
 def _default_max_length() -> int:

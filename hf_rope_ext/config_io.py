@@ -295,9 +295,9 @@ def verify_record(config: Any) -> PatchSpec | None:
     (an edited or corrupt config.json): such a checkpoint would otherwise load with
     frequencies nobody intended.
     """
-    record = getattr(config, RECORD_ATTRIBUTE, None)
-    if record is None:
+    if not hasattr(config, RECORD_ATTRIBUTE):
         return None
+    record = getattr(config, RECORD_ATTRIBUTE)  # a present null is an edited record, refused as a list is
     rope = compat.rope_parameters(config)
     rotary_dim = rotary_dim_of(config, rope)
     kept = kept_rope_fields(config, rope)
@@ -464,9 +464,14 @@ def check_rope_spellings(raw: Mapping[str, Any], source: str) -> None:
 
 
 def read_record(config: Any) -> dict[str, Any] | None:
-    """The config's ``hf_rope_ext`` record as written, unchecked (:func:`verify_record` checks it)."""
-    record = getattr(config, RECORD_ATTRIBUTE, None)
-    return dict(record) if isinstance(record, Mapping) else None
+    """The config's ``hf_rope_ext`` record as written, unchecked (:func:`verify_record` checks it)
+    beyond being an object: None when the config has none; a present null or list is refused."""
+    if not hasattr(config, RECORD_ATTRIBUTE):
+        return None
+    record = getattr(config, RECORD_ATTRIBUTE)
+    if not isinstance(record, Mapping):
+        raise _record_error(config, f"must be a JSON object, got {type(record).__name__}.")
+    return dict(record)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,12 +535,16 @@ def _transformers_init_function(rope_type: str):
         attention_level = method.attention is not None or (record or {}).get("logn_attention")
         if seq_len is None and not _RESTORING.get() and attention_level and _first_warning_for(config):
             # Not silent: a plain from_pretrained builds the frequencies only.
+            # Without a record load_patched has nothing to rebuild the attention from either.
+            fix = ("Load it with hf_rope_ext.hub.load_patched." if record is not None else
+                   f"Its config.json has no `{RECORD_ATTRIBUTE}` record to rebuild the attention from (load_patched "
+                   "neither): restore the config.json hf_rope_ext wrote, or patch the base model again.")  # fmt: skip
             logger.warning(
                 "This checkpoint was saved with the attention-level patch %r; from_pretrained rebuilds its rotary "
-                "frequencies only, not its attention, so inputs beyond %d tokens are not read as patched. Load it "
-                "with hf_rope_ext.hub.load_patched.",
+                "frequencies only, not its attention, so inputs beyond %d tokens are not read as patched. %s",
                 method.name + ("+logn" if (record or {}).get("logn_attention") else ""),
                 params["original_max_position_embeddings"],
+                fix,
             )
         steps = record.get("steps_per_doubling") if record else None
         # The patch's own rounding, so from_pretrained computes the frequencies patch_model uses.

@@ -150,8 +150,8 @@ def save_patched(
         card: written as ``README.md`` (see :mod:`hf_rope_ext.model_card`): a
             ``huggingface_hub.ModelCard``, the card's markdown text (a ``str`` with line breaks),
             or a markdown file's path (an ``os.PathLike`` or a one-line ``str``; one that names
-            no file is refused). A card hf_rope_ext rendered for another method or scale than
-            this model's patch is refused.
+            no file is refused). A card hf_rope_ext rendered for another patch than this
+            model's (method, scale, original context, parameters) is refused.
         card_assets: files the card references (plots), copied next to it.
         legacy_fields: also write ``rope_scaling`` and top-level ``rope_theta`` (the
             transformers 4.x spelling, still read by runtimes built on it; checked to load to
@@ -353,8 +353,9 @@ def _card_text(card: Any) -> str | None:
 
 
 def _card_patch(metadata: Any) -> dict | None:
-    """The patch (``{"method", "scale"}``) an hf_rope_ext card's metadata says it describes; None for
-    a card of the user's own (no ``hf-rope-ext`` tag), ``{}`` for one rendered before cards named it."""
+    """The patch an hf_rope_ext card's metadata says it describes (the record less its version, or
+    ``{"method", "scale"}`` from versions before that); None for a card of the user's own (no
+    ``hf-rope-ext`` tag), ``{}`` for one rendered before cards named it."""
     from .model_card import CARD_PATCH_KEY
 
     tags = metadata.get("tags") if isinstance(metadata, dict) else None
@@ -364,9 +365,34 @@ def _card_patch(metadata: Any) -> dict | None:
     return described if isinstance(described, dict) else {}
 
 
+def _names_whole_patch(described: dict) -> bool:
+    """Whether a card's metadata names the whole patch, not only the method and scale older cards name."""
+    return "original_max_position_embeddings" in described
+
+
 def _describes(described: dict, recorded: PatchSpec) -> bool:
+    if _names_whole_patch(described):
+        return not _card_differences(described, recorded)
     scale = described.get("scale")
     return described.get("method") == recorded.label and is_finite(scale) and math.isclose(scale, recorded.scale)
+
+
+def _card_differences(described: dict, recorded: PatchSpec) -> list[str]:
+    """What a card naming the whole patch says that ``recorded`` does not (``key card vs checkpoint``)."""
+    from .model_card import card_patch_metadata
+
+    def flat(record: Any) -> dict:  # params.beta_fast rather than the whole params
+        record = dict(record) if isinstance(record, dict) else {}
+        params = record.pop("params", None)
+        if isinstance(params, dict):
+            record.update({f"params.{key}": value for key, value in params.items()})
+        elif params is not None:
+            record["params"] = params
+        return record
+
+    card, saved = flat(described), flat(card_patch_metadata(recorded))
+    return [f"{key} {card.get(key, '(none)')!r} vs {saved.get(key, '(none)')!r}"
+            for key in sorted(set(card) | set(saved)) if card.get(key) != saved.get(key)]  # fmt: skip
 
 
 def _scale_text(scale: Any) -> str:
@@ -394,11 +420,20 @@ def _check_card_patch(card_text: str, recorded: PatchSpec) -> None:
             "The card given is an hf-rope-ext card that does not name its patch (rendered by an older version), so "
             "it was not checked against this %s x%g checkpoint.", recorded.label, recorded.scale,
         )  # fmt: skip
+    elif described is not None and _describes(described, recorded) and not _names_whole_patch(described):
+        logger.warning(
+            "The card given names only the method and scale of its patch (rendered by an older version), so its "
+            "context lengths and parameters were not checked against this %s x%g checkpoint.",
+            recorded.label, recorded.scale,
+        )  # fmt: skip
     elif described is not None and not _describes(described, recorded):
+        method = f"{described.get('method')}{'+logn' if described.get('logn_attention') is True else ''}"
+        differences = (f" (card vs checkpoint: {'; '.join(_card_differences(described, recorded))})"
+                       if _names_whole_patch(described) else "")  # fmt: skip
         raise ValueError(
-            f"card= was rendered for a {described.get('method')} x{_scale_text(described.get('scale'))} patch, not this "
-            f"{recorded.label} x{recorded.scale:g} checkpoint; pass card=hf_rope_ext.model_card.render_model_card("
-            "model, ...)[0] for this model. Nothing was written."
+            f"card= was rendered for a {method} x{_scale_text(described.get('scale'))} patch, not this "
+            f"{recorded.label} x{recorded.scale:g} checkpoint{differences}; pass "
+            "card=hf_rope_ext.model_card.render_model_card(model, ...)[0] for this model. Nothing was written."
         )
 
 
@@ -449,10 +484,13 @@ def _card_of_another_patch(folder: Path, recorded: PatchSpec) -> bool:
     older card that names none, the one the checkpoint there records."""
     from huggingface_hub import metadata_load
 
+    from .model_card import card_patch_metadata
+
     try:
         described = _card_patch(metadata_load(folder / _CARD) or {})
-        if described:  # the card names the patch it describes
-            return not _describes(described, recorded)
+        if described and (_names_whole_patch(described) or not _describes(described, recorded)):
+            return not _describes(described, recorded)  # the card names the patch it describes
+        # An older card, naming no patch or only its method and scale: the one the checkpoint there records.
         previous = json.loads((folder / "config.json").read_text(encoding="utf-8")).get(config_io.RECORD_ATTRIBUTE)
     except Exception:  # a README or config of the user's own, in whatever form: not ours to judge
         return False
@@ -462,7 +500,7 @@ def _card_of_another_patch(folder: Path, recorded: PatchSpec) -> bool:
     def patch_of(record: Any) -> Any:  # the record less the version of the package that wrote it
         return {key: value for key, value in record.items() if key != "version"} if isinstance(record, dict) else record
 
-    return patch_of(previous) != patch_of(json.loads(json.dumps(recorded.to_record(), default=config_io.json_value)))
+    return patch_of(previous) != card_patch_metadata(recorded)
 
 
 def _raise_kept_tokenizer_limit(kept: Path, staging: Path, extended: int) -> None:

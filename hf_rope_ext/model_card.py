@@ -377,23 +377,16 @@ def _patch_label(method: Any, scale: Any) -> str:
     return f"{method} x{scale:g}" if isinstance(scale, (int, float)) and not isinstance(scale, bool) else f"{method}"
 
 
-def _same_folder(name: Any, folder: Any) -> bool:
-    if not isinstance(name, str) or not isinstance(folder, str) or not name or not folder:
-        return False
-    try:
-        return Path(name).resolve() == Path(folder).resolve()
-    except OSError:
-        return False
-
-
 def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str, Any] | None,
                          records: list[dict[str, Any]], eval_dir: Any, summary_path: Any) -> None:
     """Refuse a training summary or an evaluation folder of another checkpoint.
 
     The training run must have made this patch (method, scale, original context and, where the
     summary records it, the method's parameters). The evaluation folder must hold at least one
-    result of this checkpoint: of a model patched the same way (method, scale, frequency steps),
-    or of this checkpoint folder itself evaluated unpatched (``--methods none``).
+    result of this checkpoint's patch (method, scale, frequency steps): on this checkpoint
+    (``hf-rope-ext eval --model CHECKPOINT --methods METHOD --scales SCALE``, which evaluates a
+    save_patched checkpoint from its base RoPE) or on its base model. A ``none`` result of this
+    folder is the merged weights at the base RoPE, not the checkpoint as it runs.
     """
     here = _patch_label(patch.label, patch.scale)
     if summary is not None:
@@ -426,20 +419,13 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
             )
     if records:
         folder = getattr(config, "_name_or_path", None)
-        ours = [
-            record for record in records
-            if _same_patch(record, patch)
-            or (record.get("method") == "none" and _same_folder(record.get("model"), folder))
-        ]  # fmt: skip
-        if not ours:
-            found = sorted({_patch_label(record.get("method"), record.get("scale")) + (
-                f" ({record.get('model')})" if record.get("method") == "none" and record.get("model") else "")
-                for record in records})  # fmt: skip
+        if not any(_same_patch(record, patch) for record in records):
+            found = sorted({_patch_label(record.get("method"), record.get("scale")) for record in records})
             raise ValueError(
-                f"The evaluation folder {eval_dir} holds no result of this {here} checkpoint (its results: "
-                f"{', '.join(found)}). Pass the --eval-dir of an evaluation of this checkpoint (hf-rope-ext eval "
-                f"--model {folder or 'CHECKPOINT'} --methods none) or of its patch on the base model (--methods "
-                f"{patch.label} --scales {patch.scale:g})."
+                f"The evaluation folder {eval_dir} holds no result of this {here} checkpoint's patch (its results: "
+                f"{', '.join(found)}). Pass the --eval-dir of an evaluation of it (hf-rope-ext eval --model "
+                f"{folder or 'CHECKPOINT'} --methods {patch.label} --scales {patch.scale:g}, or the same on the base "
+                "model)."
             )
 
 
@@ -473,6 +459,14 @@ def _equal(a: Any, b: Any) -> bool:
     return a == b
 
 
+def card_patch_metadata(patch: RecordedPatch) -> dict[str, Any]:
+    """The patch a card describes, as its metadata names it: the patch record less the version of
+    the package (everything that sets the checkpoint's context, frequencies and attention)."""
+    record = json.loads(json.dumps(patch.to_record(), default=config_io.json_value))
+    del record["version"]
+    return record
+
+
 def render_model_card(
     config: Any,
     *,
@@ -488,7 +482,9 @@ def render_model_card(
 
     Args:
         config: the checkpoint's config (or a patched model): its ``hf_rope_ext`` record
-            supplies method, scale, parameters and context lengths.
+            supplies method, scale, parameters and context lengths. A model's card describes
+            the checkpoint :func:`hf_rope_ext.hub.save_patched` writes from it (legacy
+            ``attn_factor`` included); a config's, the checkpoint that config was read from.
         base_model: Hub id of the base model; defaults to the training summary's.
         eval_dir: folder with the evaluation tool's ``results.jsonl`` and ``*.png`` plots.
         training_summary: the fine-tuning run's ``training_summary.json`` (path or dict).
@@ -501,10 +497,12 @@ def render_model_card(
     """
     import jinja2
     from huggingface_hub import ModelCard, ModelCardData
+    from torch import nn
 
     from . import __version__, get_method, list_methods
     from .hub import runtime_settings
 
+    source = config
     config = getattr(config, "config", config)
     patch = config_io.verify_record(config)
     if patch is None:
@@ -539,7 +537,9 @@ def render_model_card(
     # What config.json cannot express to transformers: from_pretrained rebuilds the frequencies only.
     attention_changes = ([f"`{method.name}` attention"] if method.attention is not None else []) + (
         ["log-n attention"] if logn else [])
-    settings = runtime_settings(config)
+    # A model's card describes the checkpoint save_patched writes from it (with the legacy attn_factor
+    # its live config lacks); a config's card, the checkpoint that config was read from.
+    settings = runtime_settings(source if isinstance(source, nn.Module) else config)
     eval_results = _eval_results(records, patch)
     card_data = ModelCardData(
         base_model=base_model,
@@ -551,7 +551,7 @@ def render_model_card(
         model_name=name if eval_results else None,
         eval_results=eval_results or None,
         # The patch the card describes, for save_patched to check a card against the checkpoint it saves.
-        **{CARD_PATCH_KEY: {"method": patch.label, "scale": patch.scale}},
+        **{CARD_PATCH_KEY: card_patch_metadata(patch)},
     )
     perplexity_rows, bucket_header, bucket_rows = _perplexity_tables(records)
     defaults = get_method(method.name).defaults

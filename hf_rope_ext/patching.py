@@ -414,7 +414,7 @@ def _rotary_target(model: nn.Module, function: str = "patch_model") -> _Target:
     config = getattr(original, "config", None) or getattr(model, "config", None)
     if config is None:
         raise ValueError(f"{type(model).__name__} has no config; patch a transformers model.")
-    record = getattr(config, config_io.RECORD_ATTRIBUTE, None)
+    record = config_io.read_record(config)  # a present null or list is refused as an edited record
     if record is not None:
         # Loaded from a patched checkpoint with plain from_pretrained: its config holds the patched
         # RoPE (ntk writes a plain rope_type with a larger rope_theta), not the trained one.

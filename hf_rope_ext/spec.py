@@ -485,6 +485,8 @@ class PatchSpec:
                     f"has method={record['method']!r} but logn_attention=false; they contradict each other.", source
                 )
             logn = True
+        if not isinstance(record["method"], str):  # an edited record, not a method to register
+            raise RecordError(f"has method={record['method']!r}; it must be a string (a method name).", source)
         try:
             method = get_method(record["method"])
         except (TypeError, ValueError) as error:

@@ -64,11 +64,12 @@ def test_finetune_old_and_new_spellings_give_the_same_config(tmp_path):
     assert config_from_args(parser.parse_args(["--model", "m", "--output-dir", "o", "--scale", "2", "--pose", "false"])).pose is False
 
 
-@pytest.mark.parametrize("name", ["eval", "demo", "card", "auto"])
+@pytest.mark.parametrize("name", ["eval", "demo", "card", "auto",
+                                  pytest.param("runtimes", id="runtimes-cli")])  # id "runtimes": the real-runtime mark
 def test_cli_help_shows_dash_spellings_only(name):
     help_text = subcommand_help(name)
     assert not UNDERSCORE_OPTION.findall(help_text), UNDERSCORE_OPTION.findall(help_text)
-    if name != "card":
+    if name not in ("card", "runtimes"):
         assert "--text-files" in help_text and "--text-file " not in help_text
 
 
@@ -297,3 +298,54 @@ def test_every_subcommand_parser_refuses_an_option_given_twice():
     (subparsers,) = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
     assert isinstance(parser, ArgumentParser)
     assert all(isinstance(sub, ArgumentParser) for sub in subparsers.choices.values())
+
+
+def _dash_spellings_only_parser() -> argparse.ArgumentParser:
+    """The reference: argparse's own parser with the same options and no hidden aliases."""
+    parser = argparse.ArgumentParser(prog="p")
+    parser.add_argument("--text-files", nargs="+", required=True)
+    parser.add_argument("--text-field")
+    parser.add_argument("--output-dir")
+    parser.add_argument("--max-new-tokens", type=int)
+    return parser
+
+
+def _aliased_parser() -> argparse.ArgumentParser:
+    parser = argument_parser(prog="p")
+    add_option(parser, "--text-files", "--text-file", nargs="+", required=True)
+    add_option(parser, "--text-field")
+    add_option(parser, "--output-dir")
+    add_option(parser, "--max-new-tokens", type=int)
+    return parser
+
+
+@pytest.mark.parametrize("argv", [
+    ["--text-files", "a", "--out", "o", "--max", "4"],  # each prefix matches one option and its hidden aliases
+    ["--text-files", "a", "--output-d=o"],
+    ["--text-fil", "a", "b", "--output-dir", "o"],  # --text-files and its aliases --text-file, --text_files: one option
+    ["--text", "a"],  # --text-files or --text-field: ambiguous, named by their shown spellings
+    ["--out", "o"],  # the required option missing: named by its shown spelling
+    ["--text-files", "a", "--max", "x"],  # a bad value: the option named by its shown spelling
+])  # fmt: skip
+def test_abbreviations_and_errors_see_only_the_shown_spellings(argv, capsys):
+    """argparse took --out as ambiguous between --output-dir and its hidden --output_dir, and its
+    errors named every alias (--text-files/--text_files/--text-file); both now read as for a parser
+    without the aliases."""
+    try:
+        expected = vars(_dash_spellings_only_parser().parse_args(argv))
+    except SystemExit:
+        expected = capsys.readouterr().err.splitlines()[-1]
+        assert _refused_at_parsing(_aliased_parser().parse_args, argv, capsys) == expected
+    else:
+        parsed = vars(_aliased_parser().parse_args(argv))
+        parsed.pop("given_options")  # what add_option records besides
+        assert parsed == expected
+
+
+def test_the_command_line_tools_take_abbreviations_of_their_shown_options(capsys):
+    args = build_parser().parse_args(["eval", "--text-files", "a", "--out", "o", "--max", "4"])
+    assert args.output_dir == Path("o") and args.max_new_tokens == 4
+    assert finetune_parser().parse_args(["--model", "m", "--out", "o", "--scale", "2"]).output_dir == Path("o")
+    assert _aliased_parser().parse_args(["--text-files", "a", "--max_new", "4"]).max_new_tokens == 4  # a hidden alias's prefix
+    line = _refused_at_parsing(build_parser().parse_args, ["auto", "--model", "m", "--scale", "2"], capsys)
+    assert line.endswith("error: the following arguments are required: --text-files"), line

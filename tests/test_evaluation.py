@@ -2229,3 +2229,115 @@ def test_the_demo_on_a_model_of_one_token_names_its_native_context(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "native context (max_position_embeddings) is 1" in err
     assert "ppl" not in err
+
+
+# -- a patched model, a patched checkpoint, a folder spelled another way ------------------------
+
+
+def _summary(records):
+    return [(r["method"], r["scale"], r["native_context"], r["rope_fingerprint"], r["ppl"]) for r in records]
+
+
+def test_a_patched_model_is_evaluated_from_its_original_rope_and_keeps_its_patch(tmp_path):
+    from hf_rope_ext import patched
+
+    model = make_model("llama")
+    documents = {"doc": random_ids(80)[0]}
+    plan = _plan(methods=["none", "yarn"], scales=[2.0], ppl_lengths=[64])
+    # reference: the same plan on the model as it was never patched
+    reference = _summary(run_evaluation(model, CharTokenizer(), plan, tmp_path / "clean", documents=documents,
+                                        write_report=False, progress=False))  # fmt: skip
+    assert [row[2] for row in reference] == [ORIGINAL_CONTEXT] * 2
+    patch_model(model, scale=4, method="linear")
+    linear = get_patch_info(model)
+    records = run_evaluation(model, CharTokenizer(), plan, tmp_path / "patched", documents=documents,
+                             write_report=False, progress=False)  # fmt: skip
+    assert _summary(records) == reference  # 'none' is the original model; yarn x2 is built from 32 tokens
+    assert get_patch_info(model) == linear  # the user's patch is put back
+    with patched(model, 2, "ntk"):
+        ntk = get_patch_info(model)
+        records = run_evaluation(model, CharTokenizer(), plan, tmp_path / "block", documents=documents,
+                                 write_report=False, progress=False)  # fmt: skip
+        assert _summary(records) == reference and get_patch_info(model) == ntk
+    assert get_patch_info(model) == linear
+    # a run that fails (a document too short for the plan) puts the patch back too, having written nothing
+    with pytest.raises(EvaluationError):
+        run_evaluation(model, CharTokenizer(), _plan(ppl_lengths=[200]), tmp_path / "short", documents=documents,
+                       write_report=False, progress=False)  # fmt: skip
+    assert get_patch_info(model) == linear and not (tmp_path / "short" / "results.jsonl").exists()
+
+
+def test_a_patched_checkpoint_is_evaluated_from_its_base_rope(tiny_checkpoint, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_rope_ext.hub import save_patched
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    patch_model(model, scale=4, method="yarn")
+    save_patched(model, tmp_path / "pckpt")
+    AutoTokenizer.from_pretrained(tiny_checkpoint).save_pretrained(tmp_path / "pckpt")
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"Line {i} of a long and winding story." for i in range(200)))
+    options = ["--device", "cpu", "--text-file", str(book), "--methods", "none,yarn", "--scales", "2",
+               "--ppl-lengths", "384", "--bucket-size", "128", "--no-progress"]  # fmt: skip
+    assert cli_main(["eval", "--model", str(tiny_checkpoint), "--output-dir", str(tmp_path / "base"), *options]) == 0
+    assert cli_main(["eval", "--model", str(tmp_path / "pckpt"), "--output-dir", str(tmp_path / "p"), *options]) == 0
+    base, saved = read_results(tmp_path / "base"), read_results(tmp_path / "p")
+    keys = ("method", "scale", "native_context", "rope_fingerprint", "ppl")
+    assert [[r[k] for k in keys] for r in saved] == [[r[k] for k in keys] for r in base]
+    assert [r["native_context"] for r in saved] == [256, 256]
+    # The library refuses the checkpoint loaded with plain from_pretrained (patched RoPE in its config)
+    # before any forward, naming load_patched.
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "pckpt")
+    with pytest.raises(EvaluationError, match="hub.load_patched"):
+        run_evaluation(plain, CharTokenizer(), _plan(methods=["none"], scales=[], ppl_lengths=[24]), tmp_path / "x",
+                       documents={"doc": random_ids(80)[0]}, progress=False)  # fmt: skip
+    assert not (tmp_path / "x" / "results.jsonl").exists()
+
+
+def test_a_local_checkpoint_spelled_another_way_resumes_its_cases(tiny_checkpoint, tmp_path, monkeypatch, caplog):
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"Line {i} of a long and winding story." for i in range(200)))
+    output = tmp_path / "out"
+    options = ["--device", "cpu", "--text-file", str(book), "--methods", "none", "--ppl-lengths", "128",
+               "--output-dir", str(output), "--no-progress"]  # fmt: skip
+    monkeypatch.chdir(tiny_checkpoint.parent)
+    assert cli_main(["eval", "--model", tiny_checkpoint.name, *options]) == 0
+    before = (output / "results.jsonl").read_text()
+    assert json.loads(before)["model"] == tiny_checkpoint.name
+    for spelling in (f"./{tiny_checkpoint.name}/", str(tiny_checkpoint)):
+        with caplog.at_level(logging.INFO, logger="hf_rope_ext.evaluation.runner"):
+            assert cli_main(["eval", "--model", spelling, *options]) == 0
+        assert "1 already in" in caplog.text and "0 to run" in caplog.text
+        assert (output / "results.jsonl").read_text() == before
+        caplog.clear()
+    # in the library: the same model under another name resumes the cases recorded under the first
+    model, documents, plan = make_model("llama"), {"doc": random_ids(80)[0]}, _plan(methods=["none"], ppl_lengths=[24])
+    first = run_evaluation(model, CharTokenizer(), plan, tmp_path / "lib", documents=documents, model_name="a",
+                           progress=False)  # fmt: skip
+    again = run_evaluation(model, CharTokenizer(), plan, tmp_path / "lib", documents=documents, model_name="b",
+                           progress=False)  # fmt: skip
+    assert again == first and len(read_results(tmp_path / "lib")) == 1
+
+
+def test_eval_loading_a_checkpoint_that_lost_its_record_keeps_the_missing_record_warning(tiny_checkpoint, tmp_path,
+                                                                                          caplog):
+    """`hf-rope-ext eval` loads a save_patched checkpoint as load_patched does, which silences the
+    construction's warning for a model patched right after; a checkpoint whose record was deleted is
+    not patched after, so the warning that it runs without its attention must still be logged."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_rope_ext.evaluation.cli import load_for_evaluation
+    from hf_rope_ext.hub import save_patched
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    patch_model(model, scale=4, method="self-extend")
+    target = save_patched(model, tmp_path / "ckpt")
+    AutoTokenizer.from_pretrained(tiny_checkpoint).save_pretrained(target)
+    config = json.loads((target / "config.json").read_text())
+    del config["hf_rope_ext"]
+    (target / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="hf_rope_ext.config_io"):
+        loaded, _ = load_for_evaluation(str(target), device="cpu", progress=False)
+    assert get_patch_info(loaded) is None
+    assert "no `hf_rope_ext` record to rebuild the attention from" in caplog.text

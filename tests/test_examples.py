@@ -71,6 +71,31 @@ def test_eval_example_runs_its_documented_command_without_steps_per_doubling(tin
         eval_args.steps_per_doubling)
 
 
+def test_eval_example_evaluates_a_save_patched_checkpoint_from_its_base_rope(tiny, tmp_path, capsys):
+    """A checkpoint saved from a patched model is measured from its base RoPE, as `hf-rope-ext eval`
+    does: the same records as the base checkpoint's (plain loading would take the patched RoPE for
+    the model's own and label it 'none')."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_rope_ext import patch_model
+    from hf_rope_ext.hub import save_patched
+
+    model = AutoModelForCausalLM.from_pretrained(tiny / "model")
+    patch_model(model, scale=4, method="yarn")
+    save_patched(model, tmp_path / "patched")
+    AutoTokenizer.from_pretrained(tiny / "model").save_pretrained(tmp_path / "patched")
+    module = example("eval_long_context")
+    options = ["--text-files", str(tiny / "book.txt"), "--ppl-lengths", "64", "--scales", "2",
+               "--methods", "none,yarn", "--retrieval-tasks", "", "--device", "cpu"]  # fmt: skip
+    for name, folder in (("base", tiny / "model"), ("patched", tmp_path / "patched")):
+        assert module.main([*options, "--model", str(folder), "--output-dir", str(tmp_path / name)]) == 0
+    capsys.readouterr()
+    keys = ("method", "scale", "native_context", "rope_fingerprint", "ppl")
+    base, saved = read_results(tmp_path / "base"), read_results(tmp_path / "patched")
+    assert [[r[k] for k in keys] for r in saved] == [[r[k] for k in keys] for r in base]
+    assert {r["native_context"] for r in saved} == {32}
+
+
 def test_eval_example_takes_the_eval_commands_list_spellings(tiny):
     args = example("eval_long_context").parse_args(
         ["--text-files", "b.txt", "--output-dir", "o", "--ppl-lengths", "4k,9216", "--scales", "2,4",
@@ -107,7 +132,9 @@ def _refused_before_loading(module, argv, monkeypatch, capsys) -> str:
     def load_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad input was refused")
 
-    monkeypatch.setattr(module, "load_model", load_model)
+    for name in ("load_model", "load_for_evaluation"):  # the loader the example calls
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, load_model)
     try:
         code = module.main() if argv is None else module.main(argv)  # None: sys.argv
     except SystemExit as error:  # argparse
@@ -120,7 +147,7 @@ def _refused_before_loading(module, argv, monkeypatch, capsys) -> str:
 
 @pytest.mark.parametrize("extra, message", [
     (["--scales", "x"], "argument --scales: expected comma-separated numbers"),
-    (["--ppl-lengths", "4q"], "--ppl_lengths: expected comma-separated integers (e.g. 4096,8192 or 4k,8k)"),
+    (["--ppl-lengths", "4q"], "--ppl-lengths: expected comma-separated integers (e.g. 4096,8192 or 4k,8k)"),
     (["--methods", "yarnn"], "Unknown method(s) 'yarnn'"),
     (["--text-files", "missing.txt"], "Text file not found: missing.txt. Pass an existing file with --text-files."),
     (["--output-dir", "{tiny}/a-file/x"], "--output-dir {tiny}/a-file/x cannot be created: {tiny}/a-file is a file"),

@@ -1289,3 +1289,54 @@ def test_replicas_that_share_the_patch_refuse_each_others_forwards_meanwhile(met
         with torch.no_grad(), pytest.raises(RuntimeError, match="running a forward on another thread"):
             replica(ids)
     assert "result" in first
+
+
+class _StopAtLength:
+    """A stopping criterion (as a stop string or ``max_time`` would be): the caller bounds the length."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("setting", ["max_new_tokens", "max_length"])
+def test_an_unbounded_length_is_planned_as_the_extended_context(setting):
+    """transformers runs max_new_tokens (or max_length) float("inf") until a stopping criterion ends
+    it; the patched call does too, planned as max_length = the extended context (4 L0): one prefill,
+    no recomputation, and the logits of full forwards with the frequencies of 4 L0."""
+    from transformers import StoppingCriteriaList
+
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    prompt, final = random_ids(L0 + 8), L0 + 30
+    outputs = []
+    lengths = _decoder_calls(model, lambda: outputs.append(model.generate(
+        prompt, **{setting: float("inf")}, stopping_criteria=StoppingCriteriaList([_StopAtLength(final)]),
+        do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True, return_dict_in_generate=True)))
+    out = outputs[0]
+    assert out.sequences.shape[1] == final
+    assert lengths == [L0 + 8] + [1] * (final - L0 - 9)
+    assert recomputations(model) == 0
+    with torch.no_grad(), planned_length(model, 4 * L0):
+        full = model(out.sequences[:, :-1]).logits[:, L0 + 7 :]
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("setting, value, error", [
+    ("max_new_tokens", float("nan"), ValueError), ("max_new_tokens", -math.inf, ValueError),
+    ("max_length", float("nan"), ValueError), ("max_new_tokens", "x", TypeError),
+    ("prompt_lookup_num_tokens", "x", TypeError), ("prompt_lookup_num_tokens", math.inf, ValueError),
+])  # fmt: skip
+def test_a_length_that_is_no_number_of_tokens_is_refused_naming_it(setting, value, error):
+    model = make_model("llama")
+    patch_model(model, scale=4, method="dynamic-yarn")
+    kwargs = {"max_new_tokens": 5, setting: value} if setting == "prompt_lookup_num_tokens" else {setting: value}
+    prompt = random_ids(L0 + 8)
+
+    def run():
+        with pytest.raises(error, match=rf"^generate's {setting} must be a whole number of tokens, got .*; pass an int"):
+            model.generate(prompt, **kwargs, do_sample=False, pad_token_id=0)
+
+    assert _decoder_calls(model, run) == []  # refused before the prefill

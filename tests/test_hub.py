@@ -1062,7 +1062,7 @@ def test_model_card_refuses_a_training_summary_or_evaluation_of_another_checkpoi
         return path
 
     other_patch = eval_folder("other-patch", [{**RESULTS[1], "method": "dynamic-yarn", "scale": 2.0}])
-    with pytest.raises(ValueError, match=r"holds no result of this yarn x4 checkpoint \(its results: dynamic-yarn x2\)"):
+    with pytest.raises(ValueError, match=r"holds no result of this yarn x4 checkpoint's patch \(its results: dynamic-yarn x2\)"):
         render_model_card(config, base_model="org/tiny-base", eval_dir=other_patch)
     other_model = eval_folder("other-model", [{**RESULTS[0], "model": str(tmp_path / "other-ckpt")}])
     (tmp_path / "other-ckpt").mkdir()
@@ -1071,10 +1071,15 @@ def test_model_card_refuses_a_training_summary_or_evaluation_of_another_checkpoi
     assert cli_main(["card", "--model-dir", str(folder), "--base-model", "org/tiny-base", "--eval-dir",
                      str(other_patch)]) == 2  # fmt: skip
     assert "holds no result" in capsys.readouterr().err
-    # What belongs: this folder evaluated unpatched, or its patch on the base model, with the matching run.
-    own = eval_folder("own", [{**RESULTS[0], "model": str(folder)}])
+    # This folder evaluated with --methods none is its merged weights at the base RoPE (eval measures a
+    # save_patched checkpoint from its base RoPE), not the checkpoint as it runs: refused, naming the command.
+    unpatched = eval_folder("own-none", [{**RESULTS[0], "model": str(folder)}])
+    with pytest.raises(ValueError, match=rf"--model {re.escape(str(folder))} --methods yarn --scales 4"):
+        render_model_card(config, eval_dir=unpatched, training_summary=TRAINING)
+    # What belongs: its patch, on this folder or on the base model, with the matching run.
+    own = eval_folder("own", [{**RESULTS[1], "model": str(folder)}])
     card, _ = render_model_card(config, eval_dir=own, training_summary=TRAINING)
-    assert "40.12" in str(card)
+    assert "11.23" in str(card)
     render_model_card(config, eval_dir=eval_folder("patch", RESULTS[1:2]), training_summary=TRAINING)
 
 
@@ -1623,7 +1628,7 @@ def test_model_card_of_a_logn_checkpoint_takes_its_logn_results_not_plain_yarns(
     assert [r.metric_value for r in card.data.eval_results if r.metric_type == "perplexity"] == [222.0]
     card, _ = render_model_card(config, base_model="org/tiny-base", eval_dir=eval_folder("own", [("yarn+logn", 222.0)]))
     assert [r.metric_value for r in card.data.eval_results] == [222.0]
-    with pytest.raises(ValueError, match=r"no result of this yarn\+logn x4 checkpoint \(its results: yarn x4\).*"
+    with pytest.raises(ValueError, match=r"no result of this yarn\+logn x4 checkpoint's patch \(its results: yarn x4\).*"
                                          r"--methods yarn\+logn --scales 4"):
         render_model_card(config, base_model="org/tiny-base", eval_dir=eval_folder("plain", [("yarn", 111.0)]))
 
@@ -2326,3 +2331,112 @@ def test_load_patched_names_the_config_given_when_it_has_no_record(tmp_path, cap
         assert get_patch_info(load_patched(folder, config=base)) is None
     assert f"The config= given ({base}) has no hf_rope_ext record" in caplog.text
     assert f"{folder} has no hf_rope_ext record" not in caplog.text
+
+
+def _card_metadata_patch(folder):
+    return ModelCard.load(folder / "README.md").data.to_dict()["hf_rope_ext"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, difference",
+    [
+        ({"method": "yarn", "original_max_length": 16, "beta_fast": 8.0}, "original_max_position_embeddings 32 vs 16"),
+        ({"method": "yarn", "attention_factor": 1.5}, "params.attention_factor"),
+        ({"method": "dynamic", "steps_per_doubling": 2}, "steps_per_doubling"),
+    ],
+)
+def test_save_patched_refuses_a_card_for_the_same_method_and_scale_but_another_patch(tmp_path, kwargs, difference):
+    method = kwargs.pop("method")
+    model = make_model("llama")
+    _patch(model, method, scale=4)
+    card = render_model_card(model, base_model="org/base")[0]
+    # The card names the whole patch: the checkpoint's record less its version, as config.json holds it.
+    target = save_patched(model, tmp_path / "own", card=card)
+    record = json.loads((target / "config.json").read_text())["hf_rope_ext"]
+    assert _card_metadata_patch(target) == {key: value for key, value in record.items() if key != "version"}
+    other = make_model("llama")
+    _patch(other, method, scale=4, **kwargs)
+    with pytest.raises(ValueError, match=f"rendered for a {method} x4 patch, not this {method} x4 checkpoint "
+                                         rf"\(card vs checkpoint: .*{re.escape(difference)}"):  # fmt: skip
+        save_patched(other, tmp_path / "other", card=card)
+    assert not (tmp_path / "other").exists()
+
+
+def test_resaving_another_patch_of_the_same_method_and_scale_removes_the_generated_card(tmp_path, caplog):
+    model = make_model("llama")
+    _patch(model, "yarn", scale=4)
+    target = tmp_path / "ckpt"
+    card = render_model_card(model, base_model="org/base")[0]
+    save_patched(model, target, card=card)
+    unpatch_model(model)
+    _patch(model, "yarn", scale=4, beta_fast=8.0, attention_factor=1.5)
+    with caplog.at_level("WARNING", logger="hf_rope_ext.hub"):
+        save_patched(model, target)
+    assert json.loads((target / "config.json").read_text())["hf_rope_ext"]["params"]["beta_fast"] == 8.0
+    assert not (target / "README.md").exists() and "Removed README.md" in caplog.text
+    # A card of an earlier version naming only method and scale: judged by the record saved beside it.
+    new_card = render_model_card(model, base_model="org/base")[0]
+    save_patched(model, target, card=new_card)
+    older = re.sub(r"\nhf_rope_ext:\n(  .*\n)+", "\nhf_rope_ext:\n  method: yarn\n  scale: 4.0\n", str(new_card))
+    (target / "README.md").write_text(older)
+    save_patched(model, target)  # the same patch: kept
+    assert (target / "README.md").read_text() == older
+    unpatch_model(model)
+    _patch(model, "yarn", scale=4)
+    save_patched(model, target)
+    assert not (target / "README.md").exists()
+
+
+def test_yarn_card_rendered_from_the_model_describes_the_attn_factor_save_patched_writes(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn", scale=4, attention_factor=1.5)
+    card = render_model_card(model, base_model="org/base")[0]
+    target = save_patched(model, tmp_path / "ckpt", card=card)
+    saved = json.loads((target / "config.json").read_text())
+    # older vLLM multiplies attn_factor by yarn's mscale (0.1 ln s + 1) itself
+    assert saved["rope_scaling"]["attn_factor"] == pytest.approx(1.5 / (0.1 * math.log(4) + 1))
+    text = (target / "README.md").read_text()
+    assert "has no attn_factor" not in text
+    # the note runtime_settings gives for the config as saved on disk
+    note = next(n for n in runtime_settings(AutoConfig.from_pretrained(target)).vllm.notes if "checkpoint" in n)
+    assert note.startswith("A checkpoint saved with hf_rope_ext already holds") and note.split(":")[0] in text
+
+
+@pytest.mark.parametrize("method", ["self-extend", "yarn"])
+def test_a_null_record_is_refused_not_read_as_none(tmp_path, method):
+    model = make_model("llama")
+    _patch(model, method)
+    target = save_patched(model, tmp_path / "ckpt")
+    config = json.loads((target / "config.json").read_text())
+    config["hf_rope_ext"] = None
+    (target / "config.json").write_text(json.dumps(config))
+    expected = "the `hf_rope_ext` entry of config.json must be a JSON object, got NoneType"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        load_patched(target)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        runtime_settings(AutoConfig.from_pretrained(target))
+
+
+def test_a_record_whose_method_is_not_a_string_is_refused_as_edited(tmp_path):
+    model = make_model("llama")
+    _patch(model, "yarn")
+    target = save_patched(model, tmp_path / "ckpt")
+    config = json.loads((target / "config.json").read_text())
+    config["hf_rope_ext"]["method"] = 3
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"has method=3; it must be a string .* The config was edited") as error:
+        load_patched(target)
+    assert "not registered" not in str(error.value) and "\n" not in str(error.value)
+
+
+def test_loading_an_attention_level_checkpoint_without_its_record_says_the_record_is_missing(tmp_path, caplog):
+    model = make_model("llama")
+    _patch(model, "self-extend")
+    target = save_patched(model, tmp_path / "ckpt")
+    config = json.loads((target / "config.json").read_text())
+    del config["hf_rope_ext"]
+    (target / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="hf_rope_ext.config_io"):
+        assert get_patch_info(load_patched(target)) is None
+    assert "no `hf_rope_ext` record to rebuild the attention from" in caplog.text
+    assert "Load it with hf_rope_ext.hub.load_patched" not in caplog.text

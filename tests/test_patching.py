@@ -1202,3 +1202,15 @@ def test_a_config_with_a_null_head_dim_patches_as_one_that_gives_it():
         assert torch.equal(null(ids).logits, stated(ids).logits)
     unpatch_model(null)
     assert null.config.head_dim is None
+
+
+def test_patch_model_refuses_a_null_record_as_an_edited_config():
+    """A config whose ``hf_rope_ext`` entry is present but null (config.json edited by hand) is an
+    edited record, refused in one line; read as "no record", the patch would start from RoPE
+    fields that may hold another patch's values."""
+    model = make_model("llama")
+    model.config.hf_rope_ext = None
+    with pytest.raises(ValueError, match=r"hf_rope_ext.*must be a JSON object, got NoneType") as error:
+        patch_model(model, scale=2.0, method="yarn")
+    assert "\n" not in str(error.value)
+    assert get_patch_info(model) is None

@@ -9,8 +9,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from ..arguments import (
 )
 from ..cli import one_line
 from ..data import check_dataset, check_text_file
-from ..patching import DEFAULT_METHOD, DEFAULT_STEPS_PER_DOUBLING
+from ..patching import DEFAULT_METHOD, DEFAULT_STEPS_PER_DOUBLING, describe_record
 from .plan import EvalPlan
 from .records import EvaluationError, check_output_dir, parse_steps_per_doubling, read_results
 
@@ -191,11 +193,21 @@ _model_label = model_label  # the shared alias map (hf_rope_ext.arguments)
 
 
 def _native_context(model_name: str) -> int:
+    """The model's native context, read from its config before it loads; for a checkpoint saved from
+    a patched model (save_patched), that of its base RoPE, from which the configurations are built."""
     from transformers import AutoConfig
 
+    from .. import config_io
     from ..loading import resolve_model_path
 
     config = AutoConfig.from_pretrained(resolve_model_path(model_name))
+    recorded = config_io.verify_record(config)  # an edited record: refused here, before the model loads
+    if recorded is not None:
+        record = getattr(config, config_io.RECORD_ATTRIBUTE)
+        logger.info("%s holds the %s patch; its configurations are evaluated from its base RoPE (native context %d, "
+                    "'none' is the base model).", model_name, describe_record(record),
+                    recorded.original_max_position_embeddings)  # fmt: skip
+        return recorded.original_max_position_embeddings
     value = getattr(config, "max_position_embeddings", None)
     if not isinstance(value, int):
         raise EvaluationError(
@@ -205,11 +217,40 @@ def _native_context(model_name: str) -> int:
 
 
 def _load(args: argparse.Namespace):
-    from ..loading import load_model
-
     logger.info("Loading %s (%s, %s attention)...", args.model, args.dtype, args.attn_implementation)
-    return load_model(args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
-                      attn_implementation=args.attn_implementation, progress=not args.no_progress)  # fmt: skip
+    return load_for_evaluation(args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
+                               attn_implementation=args.attn_implementation, progress=not args.no_progress)
+
+
+def load_for_evaluation(model_name: str, **load_kwargs):
+    """``loading.load_model``, with a checkpoint saved from a patched model (save_patched) loaded as
+    hub.load_patched does: its patch is rebuilt, and run_evaluation takes it off to build every
+    configuration from the base RoPE (plain loading would leave the patched RoPE in the config)."""
+    from transformers import AutoConfig
+
+    from .. import config_io
+    from ..hub import restore_patch
+    from ..loading import load_model, resolve_model_path
+
+    # Only a checkpoint with a record loads as load_patched does: one that lost its record keeps the
+    # construction's warning that it runs without its patch.
+    has_record = config_io.read_record(AutoConfig.from_pretrained(resolve_model_path(model_name))) is not None
+    with config_io.restoring_patch() if has_record else contextlib.nullcontext():
+        model, tokenizer = load_model(model_name, **load_kwargs)
+    if config_io.read_record(model.config) is not None:
+        restore_patch(model)
+    return model, tokenizer
+
+
+def _model_name(model: str) -> str:
+    """The model's name in the records: a local folder's path normalised (``./ckpt/`` -> ``ckpt``),
+    a Hub id or alias as :func:`model_label` gives it."""
+    from ..loading import expand_home
+
+    label = _model_label(model)  # an alias first, as resolve_model_path reads it
+    if label == model and Path(expand_home(model)).is_dir():
+        return os.path.normpath(expand_home(model))
+    return label
 
 
 def _documents(args: argparse.Namespace, tokenizer, min_tokens: int) -> dict[str, torch.Tensor]:
@@ -284,7 +325,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args)
     documents = _documents(args, tokenizer, plan.required_document_tokens())
     check_documents(plan, documents)
-    run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=_model_label(args.model),
+    run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=_model_name(args.model),
                    dtype=args.dtype, native_context=native_context, progress=not args.no_progress)  # fmt: skip
     print((args.output_dir / "results.md").read_text(encoding="utf-8"))
     print(f"Results: {args.output_dir / 'results.jsonl'}; reports and plots in {args.output_dir}/")
@@ -325,14 +366,14 @@ def _run_demo(args: argparse.Namespace) -> int:
     documents = _documents(args, tokenizer, plan.required_document_tokens())
     check_documents(plan, documents, length_flags="--ppl-length")
     print(
-        f"Demo on {_model_label(args.model)} (native context {native_context} tokens), {args.dtype} on "
+        f"Demo on {_model_name(args.model)} (native context {native_context} tokens), {args.dtype} on "
         f"{'GPU' if on_gpu else 'CPU'}: unpatched, then patch_model(model, scale={settings.scale:g}, "
         f"method={settings.method!r}). Perplexity over {settings.ppl_length} tokens of {next(iter(documents))}; "
         f"passkey at {', '.join(map(str, settings.passkey_lengths))} tokens.",
         flush=True,
     )
     records = run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents,
-                             model_name=_model_label(args.model), dtype=args.dtype, native_context=native_context,
+                             model_name=_model_name(args.model), dtype=args.dtype, native_context=native_context,
                              progress=not args.no_progress)  # fmt: skip
     print()
     print(demo_table(records, settings, native_context))

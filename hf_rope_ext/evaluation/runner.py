@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import unpatch_model
+from .. import config_io, unpatch_model
+from ..patching import _patch_to_put_back, _put_back, describe_record
 from ..spec import PatchSpec
 from ..rotary import ExtendedRotaryEmbedding
 from .documents import check_documents, document_hash
@@ -140,6 +141,19 @@ def _check_same_inputs(store: ResultStore, model_name: str, dtype: str, fingerpr
                     f"{record.get('document_sha256')} against {document_hashes[name]} now). Rename the file, or use "
                     "another --output-dir."
                 )
+
+
+def _recorded_name(store: ResultStore, model_name: str, dtype: str, fingerprint: str) -> str:
+    """The name this model (by fingerprint) and dtype already have in ``store``, else ``model_name``:
+    a model is identified by content, so ``ckpt``, ``./ckpt/`` or its absolute path resume one set of cases."""
+    for record in store.records:
+        if record.get("model_fingerprint") == fingerprint and record.get("dtype") == dtype:
+            recorded = record.get("model")
+            if recorded != model_name:
+                logger.info("%s holds results of this model (fingerprint %s) under the name %r; %r is recorded and "
+                            "resumed under that name.", store.path, fingerprint, recorded, model_name)  # fmt: skip
+            return recorded
+    return model_name
 
 
 def rope_fingerprint(model: nn.Module, length: int) -> str:
@@ -336,17 +350,54 @@ def run_evaluation(
 ) -> list[dict[str, Any]]:
     """Evaluate every (method, scale) of ``plan`` on ``model``; returns the records of this plan.
 
-    Cases already in ``<output_dir>/results.jsonl`` are skipped. The model is patched with
-    :func:`hf_rope_ext.patch_model` for each configuration and restored with
-    :func:`hf_rope_ext.unpatch_model` afterwards, also when a case fails or the run is
-    interrupted. Reports (:func:`hf_rope_ext.evaluation.report.write_reports`) are rewritten at
-    the end, also after an interruption.
+    Cases already in ``<output_dir>/results.jsonl`` are skipped; a model is matched by content
+    (:func:`model_fingerprint`), so results recorded under another ``model_name`` for the same
+    model and dtype (``./ckpt/`` for ``ckpt``) are resumed under the name they have there.
+    Every configuration is built from the model's original RoPE: a model the caller patched is
+    evaluated from the RoPE it had before its patch (native context: the patch's original), and
+    ``none`` is that original model. The model is patched with :func:`hf_rope_ext.patch_model`
+    for each configuration and left afterwards as it came (its own patch, if any, put back),
+    also when a case fails or the run is interrupted. A model loaded from a patched checkpoint
+    with plain ``from_pretrained`` (its config holds the patched RoPE) is refused before any
+    forward: load it with :func:`hf_rope_ext.hub.load_patched`. Reports
+    (:func:`hf_rope_ext.evaluation.report.write_reports`) are rewritten at the end, also after
+    an interruption.
 
     ``documents`` (name: token ids), ``model_name``, ``dtype`` and ``native_context`` are written
     into every record: a value the records cannot hold (a name that is not a non-empty string, a
     native context that is not a positive integer) raises :class:`EvaluationError` before any
     forward. A ``torch.dtype`` is recorded as ``"float32"``, as the model's own dtype by default.
     """
+    previous = _patch_to_put_back(model)  # refuses a patch that could not be put back
+    if previous is None:
+        _check_not_loaded_patched(model)
+    elif native_context is None:
+        native_context = previous.spec.original_max_position_embeddings
+    try:
+        if previous is not None:  # every configuration starts from the original RoPE; 'none' is that model
+            unpatch_model(model)
+        return _run_evaluation(model, tokenizer, plan, output_dir, documents, model_name, dtype, native_context,
+                               write_report, progress)  # fmt: skip
+    finally:
+        _put_back(model, previous)  # the caller's patch (or none), as patched() and check_configurations do
+
+
+def _check_not_loaded_patched(model: nn.Module) -> None:
+    """Refuse an unpatched model whose config holds a patch record: loaded from a patched checkpoint
+    with plain from_pretrained, it computes the patched RoPE, which 'none' would be recorded as."""
+    config = getattr(model, "config", None)
+    record = None if config is None else config_io.read_record(config)  # a present null: refused as edited
+    if record is not None:
+        raise EvaluationError(
+            f"This model was loaded from a checkpoint saved with an hf_rope_ext patch ({describe_record(record)}) "
+            "without restoring it, so its config holds the patched RoPE; load it with hf_rope_ext.hub.load_patched "
+            "(or call hf_rope_ext.hub.restore_patch(model)), and run_evaluation evaluates it from its original RoPE."
+        )
+
+
+def _run_evaluation(model, tokenizer, plan, output_dir, documents, model_name, dtype, native_context, write_report,
+                    progress) -> list[dict[str, Any]]:
+    """run_evaluation on the unpatched model."""
     if native_context is None:
         native_context = int(model.config.max_position_embeddings)
     model_name = model_name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
@@ -366,6 +417,7 @@ def run_evaluation(
     store = ResultStore(output_dir)
     document_hashes = {name: document_hash(ids) for name, ids in documents.items()}
     model_print = model_fingerprint(model)
+    model_name = _recorded_name(store, model_name, dtype, model_print)
     _check_same_inputs(store, model_name, dtype, model_print, document_hashes)
     logger.info("Cases are matched by content: documents by a hash of their tokens (%s), the model by its config and "
                 "weights (fingerprint %s).", ", ".join(f"{name} {value}" for name, value in document_hashes.items())
