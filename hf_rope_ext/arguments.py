@@ -145,13 +145,16 @@ class ArgumentParser(argparse.ArgumentParser):
         # A prefix (--out) matches an option's dash spelling and its hidden aliases (--output-dir,
         # --output_dir): one option, not an ambiguity. Keep one match per action, the shown spelling
         # where it matched. Each tuple starts (action, option_string, ...) on Python 3.11 and 3.12+.
+        # A match only through a hidden spelling is reported under the shown one (--text_f: "could
+        # match --text-files, --text-field", the names --help gives).
         matches: dict[int, tuple] = {}
         for match in super()._get_option_tuples(option_string):
             action, spelling = match[0], match[1]
             hidden = getattr(action, _HIDDEN, ())
-            kept = matches.get(id(action))
-            if kept is None or (kept[1] in hidden and spelling not in hidden):
-                matches[id(action)] = match
+            if spelling in hidden:
+                shown = next((option for option in action.option_strings if option not in hidden), spelling)
+                match = (action, shown, *match[2:])
+            matches.setdefault(id(action), match)
         return list(matches.values())
 
     def error(self, message: str) -> typing.NoReturn:

@@ -11,7 +11,6 @@ import dataclasses
 import inspect
 import logging
 import math
-import numbers
 from typing import Any
 
 import torch
@@ -288,16 +287,25 @@ def _candidates_past_max_length(setting: Any) -> int:
 
 def _whole_tokens(value: Any, name: str, *, unbounded: bool = False) -> int | float | None:
     """A length setting of a ``generate`` call as an int (5.7 -> 5; None stays None); with
-    ``unbounded``, ``float("inf")`` (no limit, to transformers) stays ``math.inf``. Anything else that
-    is no number of tokens (nan, -inf, "x") is refused here, where ``int()`` would fail without
-    naming the setting, before the call's first forward."""
-    if value is None or (unbounded and isinstance(value, numbers.Real) and value == math.inf):
-        return value
+    ``unbounded``, a value that reads as ``float("inf")`` (no limit, to transformers; also a 0-d
+    tensor or numpy float) is ``math.inf``. Anything else that is no number of tokens (nan, -inf,
+    "x") is refused here, where ``int()`` would fail without naming the setting, before the call's
+    first forward: ValueError for a number, TypeError for anything else."""
+    if value is None:
+        return None
     try:
+        number = float(value)  # Python and numpy numbers, 0-d tensors, Decimal
+    except (TypeError, ValueError, RuntimeError):
+        number = None
+    if unbounded and number == math.inf:
+        return math.inf
+    try:
+        if number is not None and not math.isfinite(number):
+            raise ValueError
         return int(value)
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError, OverflowError, RuntimeError):
         also = f", or {name}=float('inf') to let a stopping criterion end the call" if unbounded else ""
-        error = ValueError if isinstance(value, numbers.Real) else TypeError
+        error = ValueError if number is not None else TypeError
         raise error(f"generate's {name} must be a whole number of tokens, got {value!r}; pass an int{also}.") from None
 
 

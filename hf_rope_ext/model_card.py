@@ -170,9 +170,25 @@ def _method_of(record: Mapping[str, Any]) -> str:
     return method_label(method, record.get("steps_per_doubling"))
 
 
+def _parameters_eval_does_not_set(patch: RecordedPatch) -> list[str]:
+    """The patch's parameters that differ from its method's defaults (``name=value``): evaluation
+    records name the method and scale, not parameters, as ``hf-rope-ext eval`` applies methods with
+    their defaults; a record of this method and scale is then not a result of this patch."""
+    from .methods import REQUIRED, resolve_params
+
+    method = patch.rope_method
+    if any(value is REQUIRED for value in method.defaults.values()):  # longrope's factors: eval cannot give them
+        return [f"{key}=..." for key, value in method.defaults.items() if value is REQUIRED]
+    defaults = resolve_params(method, patch.rotary_dim, {})
+    return [f"{key}={value!r}" for key, value in patch.params.items() if not _equal(value, defaults.get(key))]
+
+
 def _same_patch(record: Mapping[str, Any], patch: RecordedPatch) -> bool:
     """Evaluated with this checkpoint's patch: method, scale and, for length-dependent methods,
-    frequency steps (a record without them cannot be attributed to this checkpoint)."""
+    frequency steps (a record without them cannot be attributed to this checkpoint); never for a
+    patch whose parameters are not its method's defaults (records do not name parameters)."""
+    if _parameters_eval_does_not_set(patch):
+        return False
     scale = record.get("scale")
     # The evaluation records the method as patch_model took it: "yarn+logn" is not plain "yarn".
     same = record.get("method") == patch.label and isinstance(scale, (int, float)) and math.isclose(
@@ -419,6 +435,14 @@ def _check_inputs_belong(patch: RecordedPatch, config: Any, summary: Mapping[str
             )
     if records:
         folder = getattr(config, "_name_or_path", None)
+        unset = _parameters_eval_does_not_set(patch)
+        if unset:
+            raise ValueError(
+                f"This {here} checkpoint's patch has parameters other than its method's defaults "
+                f"({', '.join(unset)}), which evaluation results do not record (hf-rope-ext eval applies methods "
+                f"with their defaults), so no result in {eval_dir} can be attributed to it; render the card without "
+                "--eval-dir."
+            )
         if not any(_same_patch(record, patch) for record in records):
             found = sorted({_patch_label(record.get("method"), record.get("scale")) for record in records})
             raise ValueError(

@@ -342,6 +342,13 @@ def test_abbreviations_and_errors_see_only_the_shown_spellings(argv, capsys):
         assert parsed == expected
 
 
+def test_a_prefix_of_hidden_spellings_only_is_refused_naming_the_shown_ones(capsys):
+    """--text_f matches only the hidden --text_files and --text_field: the ambiguity names the options
+    as --help shows them."""
+    line = _refused_at_parsing(_aliased_parser().parse_args, ["--text_f", "a"], capsys)
+    assert line.endswith("error: ambiguous option: --text_f could match --text-files, --text-field")
+
+
 def test_the_command_line_tools_take_abbreviations_of_their_shown_options(capsys):
     args = build_parser().parse_args(["eval", "--text-files", "a", "--out", "o", "--max", "4"])
     assert args.output_dir == Path("o") and args.max_new_tokens == 4

@@ -2311,13 +2311,18 @@ def test_a_local_checkpoint_spelled_another_way_resumes_its_cases(tiny_checkpoin
         assert "1 already in" in caplog.text and "0 to run" in caplog.text
         assert (output / "results.jsonl").read_text() == before
         caplog.clear()
-    # in the library: the same model under another name resumes the cases recorded under the first
+    # in the library: another spelling of the same folder resumes the cases recorded under the first;
+    # another name is another model (a fingerprint samples the weights, so it cannot tell them apart)
     model, documents, plan = make_model("llama"), {"doc": random_ids(80)[0]}, _plan(methods=["none"], ppl_lengths=[24])
-    first = run_evaluation(model, CharTokenizer(), plan, tmp_path / "lib", documents=documents, model_name="a",
-                           progress=False)  # fmt: skip
-    again = run_evaluation(model, CharTokenizer(), plan, tmp_path / "lib", documents=documents, model_name="b",
-                           progress=False)  # fmt: skip
+    (tmp_path / "ckpt").mkdir()
+    first = run_evaluation(model, CharTokenizer(), plan, tmp_path / "lib", documents=documents,
+                           model_name=str(tmp_path / "ckpt"), progress=False)  # fmt: skip
+    again = run_evaluation(model, CharTokenizer(), plan, tmp_path / "lib", documents=documents,
+                           model_name=f"{tmp_path}/./ckpt/", progress=False)  # fmt: skip
     assert again == first and len(read_results(tmp_path / "lib")) == 1
+    other = run_evaluation(model, CharTokenizer(), plan, tmp_path / "lib", documents=documents, model_name="b",
+                           progress=False)  # fmt: skip
+    assert [r["model"] for r in other] == ["b"] and len(read_results(tmp_path / "lib")) == 2
 
 
 def test_eval_loading_a_checkpoint_that_lost_its_record_keeps_the_missing_record_warning(tiny_checkpoint, tmp_path,

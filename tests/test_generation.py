@@ -1301,8 +1301,11 @@ class _StopAtLength:
         return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
 
 
-@pytest.mark.parametrize("setting", ["max_new_tokens", "max_length"])
-def test_an_unbounded_length_is_planned_as_the_extended_context(setting):
+@pytest.mark.parametrize("setting, unbounded", [
+    ("max_new_tokens", float("inf")), ("max_length", float("inf")),
+    ("max_new_tokens", torch.tensor(float("inf"))),  # what float() reads as inf, as transformers compares it
+])  # fmt: skip
+def test_an_unbounded_length_is_planned_as_the_extended_context(setting, unbounded):
     """transformers runs max_new_tokens (or max_length) float("inf") until a stopping criterion ends
     it; the patched call does too, planned as max_length = the extended context (4 L0): one prefill,
     no recomputation, and the logits of full forwards with the frequencies of 4 L0."""
@@ -1313,7 +1316,7 @@ def test_an_unbounded_length_is_planned_as_the_extended_context(setting):
     prompt, final = random_ids(L0 + 8), L0 + 30
     outputs = []
     lengths = _decoder_calls(model, lambda: outputs.append(model.generate(
-        prompt, **{setting: float("inf")}, stopping_criteria=StoppingCriteriaList([_StopAtLength(final)]),
+        prompt, **{setting: unbounded}, stopping_criteria=StoppingCriteriaList([_StopAtLength(final)]),
         do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True, return_dict_in_generate=True)))
     out = outputs[0]
     assert out.sequences.shape[1] == final
@@ -1328,6 +1331,7 @@ def test_an_unbounded_length_is_planned_as_the_extended_context(setting):
     ("max_new_tokens", float("nan"), ValueError), ("max_new_tokens", -math.inf, ValueError),
     ("max_length", float("nan"), ValueError), ("max_new_tokens", "x", TypeError),
     ("prompt_lookup_num_tokens", "x", TypeError), ("prompt_lookup_num_tokens", math.inf, ValueError),
+    ("max_new_tokens", torch.tensor(-math.inf), ValueError),  # a number, if not a Python one
 ])  # fmt: skip
 def test_a_length_that_is_no_number_of_tokens_is_refused_naming_it(setting, value, error):
     model = make_model("llama")

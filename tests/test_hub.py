@@ -2440,3 +2440,21 @@ def test_loading_an_attention_level_checkpoint_without_its_record_says_the_recor
         assert get_patch_info(load_patched(target)) is None
     assert "no `hf_rope_ext` record to rebuild the attention from" in caplog.text
     assert "Load it with hf_rope_ext.hub.load_patched" not in caplog.text
+
+
+def test_model_card_attributes_no_evaluation_to_a_patch_with_parameters_eval_does_not_set(tmp_path):
+    """Evaluation records name method and scale only (`hf-rope-ext eval` applies methods with their
+    defaults), so yarn x4 results are not results of a yarn x4 checkpoint with attention_factor 1.3:
+    the card must not publish them as its results (model-index)."""
+    model = make_model("llama")
+    _patch(model, "yarn", attention_factor=1.3)  # yarn x4
+    folder = save_patched(model, tmp_path / "ckpt")
+    config = AutoConfig.from_pretrained(folder)
+    evaluation = tmp_path / "eval"
+    evaluation.mkdir()
+    (evaluation / "results.jsonl").write_text(json.dumps({**RESULTS[1], "model": str(folder)}) + "\n")
+    with pytest.raises(ValueError, match=r"parameters other than its method's defaults \(attention_factor=1\.3\).*"
+                                         r"render the card without --eval-dir"):
+        render_model_card(config, base_model="org/tiny-base", eval_dir=evaluation)
+    card, _ = render_model_card(config, base_model="org/tiny-base")  # without results: rendered
+    assert not card.data.eval_results

@@ -144,16 +144,29 @@ def _check_same_inputs(store: ResultStore, model_name: str, dtype: str, fingerpr
 
 
 def _recorded_name(store: ResultStore, model_name: str, dtype: str, fingerprint: str) -> str:
-    """The name this model (by fingerprint) and dtype already have in ``store``, else ``model_name``:
-    a model is identified by content, so ``ckpt``, ``./ckpt/`` or its absolute path resume one set of cases."""
+    """The name under which ``store`` holds this model (same fingerprint and dtype) as another spelling
+    of the same local folder (``ckpt``, ``./ckpt/``, its absolute path), else ``model_name``: those
+    resume one set of cases. Other names stay apart, as two models whose fingerprints collide would
+    (the fingerprint samples each weight tensor, so it alone cannot tell two names' models apart)."""
     for record in store.records:
-        if record.get("model_fingerprint") == fingerprint and record.get("dtype") == dtype:
-            recorded = record.get("model")
-            if recorded != model_name:
-                logger.info("%s holds results of this model (fingerprint %s) under the name %r; %r is recorded and "
-                            "resumed under that name.", store.path, fingerprint, recorded, model_name)  # fmt: skip
+        recorded = record.get("model")
+        if (record.get("model_fingerprint") == fingerprint and record.get("dtype") == dtype and recorded != model_name
+                and _same_folder(recorded, model_name)):
+            logger.info("%s holds results of this model (fingerprint %s) under %r, the same folder as %r; they are "
+                        "resumed under that name.", store.path, fingerprint, recorded, model_name)  # fmt: skip
             return recorded
     return model_name
+
+
+def _same_folder(first: Any, second: Any) -> bool:
+    """Whether two model names are spellings of one existing local folder."""
+    if not isinstance(first, str) or not isinstance(second, str):
+        return False
+    try:
+        a, b = Path(first).expanduser(), Path(second).expanduser()
+        return a.is_dir() and b.is_dir() and a.resolve() == b.resolve()
+    except (OSError, RuntimeError):
+        return False
 
 
 def rope_fingerprint(model: nn.Module, length: int) -> str:
