@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -294,18 +295,20 @@ def _whole_tokens(value: Any, name: str, *, unbounded: bool = False) -> int | fl
     if value is None:
         return None
     try:
-        number = float(value)  # Python and numpy numbers, 0-d tensors, Decimal
+        # Python and numpy numbers, 0-d tensors and arrays, Decimal; not text ("5", "inf"), which
+        # transformers compares with ints, nor a tensor of shape (1,), which it cannot fill with
+        number = None if isinstance(value, (str, bytes)) or getattr(value, "ndim", 0) else float(value)
     except (TypeError, ValueError, RuntimeError):
         number = None
     if unbounded and number == math.inf:
         return math.inf
     try:
-        if number is not None and not math.isfinite(number):
+        if number is None or not math.isfinite(number):
             raise ValueError
         return int(value)
     except (TypeError, ValueError, OverflowError, RuntimeError):
         also = f", or {name}=float('inf') to let a stopping criterion end the call" if unbounded else ""
-        error = ValueError if number is not None else TypeError
+        error = ValueError if number is not None or isinstance(value, numbers.Number) else TypeError
         raise error(f"generate's {name} must be a whole number of tokens, got {value!r}; pass an int{also}.") from None
 
 

@@ -2323,6 +2323,12 @@ def test_a_local_checkpoint_spelled_another_way_resumes_its_cases(tiny_checkpoin
     other = run_evaluation(model, CharTokenizer(), plan, tmp_path / "lib", documents=documents, model_name="b",
                            progress=False)  # fmt: skip
     assert [r["model"] for r in other] == ["b"] and len(read_results(tmp_path / "lib")) == 2
+    # other weights under another spelling of a folder the file holds: refused, as under the same name
+    changed = make_model("llama", seed=1)
+    with pytest.raises(EvaluationError, match=r"whose config or weights differ from the model loaded now as"):
+        run_evaluation(changed, CharTokenizer(), plan, tmp_path / "lib", documents=documents,
+                       model_name=f"{tmp_path}/ckpt/", progress=False)  # fmt: skip
+    assert len(read_results(tmp_path / "lib")) == 2
 
 
 def test_eval_loading_a_checkpoint_that_lost_its_record_keeps_the_missing_record_warning(tiny_checkpoint, tmp_path,

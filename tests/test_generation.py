@@ -1332,6 +1332,8 @@ def test_an_unbounded_length_is_planned_as_the_extended_context(setting, unbound
     ("max_length", float("nan"), ValueError), ("max_new_tokens", "x", TypeError),
     ("prompt_lookup_num_tokens", "x", TypeError), ("prompt_lookup_num_tokens", math.inf, ValueError),
     ("max_new_tokens", torch.tensor(-math.inf), ValueError),  # a number, if not a Python one
+    ("max_new_tokens", "inf", TypeError), ("max_length", "5", TypeError),  # text, which transformers compares with ints
+    ("max_new_tokens", torch.tensor([5]), TypeError),  # not one number: transformers cannot fill a tensor with it
 ])  # fmt: skip
 def test_a_length_that_is_no_number_of_tokens_is_refused_naming_it(setting, value, error):
     model = make_model("llama")

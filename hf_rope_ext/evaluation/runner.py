@@ -124,14 +124,16 @@ def model_fingerprint(model: nn.Module, samples_per_tensor: int = 1024) -> str:
 
 def _check_same_inputs(store: ResultStore, model_name: str, dtype: str, fingerprint: str,
                        document_hashes: Mapping[str, str]) -> None:
-    """Refuse a results folder whose records use the same names for another model or text."""
+    """Refuse a results folder whose records use the same names (or another spelling of the same
+    local folder) for another model or text."""
     for record in store.records:
-        if record.get("model") == model_name and record.get("dtype") == dtype:
+        recorded = record.get("model")
+        if record.get("dtype") == dtype and (recorded == model_name or _same_folder(recorded, model_name)):
             if record.get("model_fingerprint") != fingerprint:
                 raise EvaluationError(
-                    f"{store.path} holds results of a model named {model_name!r} ({dtype}) whose config or weights "
-                    f"differ from the model loaded now (fingerprint {record.get('model_fingerprint')} against "
-                    f"{fingerprint}). Use another --output-dir for this model."
+                    f"{store.path} holds results of a model named {recorded!r} ({dtype}) whose config or weights "
+                    f"differ from the model loaded now as {model_name!r} (fingerprint "
+                    f"{record.get('model_fingerprint')} against {fingerprint}). Use another --output-dir for this model."
                 )
         name = record.get("document")
         if record.get("kind") == "perplexity" and name in document_hashes:
