@@ -60,10 +60,10 @@ from hf_rope_ext.arguments import (
 from hf_rope_ext.auto import check_configurations, parse_configuration
 from hf_rope_ext.cli import one_line
 from hf_rope_ext.compat import cache_argument_name, output_cache
-from hf_rope_ext.evaluation.cli import name_list
+from hf_rope_ext.evaluation.cli import load_base_model, name_list
 from hf_rope_ext.evaluation.records import check_output_dir
 from hf_rope_ext.files import atomic_write_json
-from hf_rope_ext.loading import load_model, resolve_model_path
+from hf_rope_ext.loading import resolve_model_path
 from hf_rope_ext.methods import LOGN_SUFFIX, get_method
 from hf_rope_ext.patching import original_context_length
 from hf_rope_ext.validation import check_scale
@@ -348,8 +348,8 @@ def _run(args: argparse.Namespace) -> int:
         raise OSError(f"Cannot create --output-dir {args.output_dir}: {error.strerror or error}. Pass a folder that "
                       "can be created.") from None
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
-                                  attn_implementation=args.attn_implementation)
+    model, tokenizer = load_base_model(args.model, dtype=args.dtype, device=args.device,
+                                       attn_implementation=args.attn_implementation)
     # Parameters that only the model can check (its attention implementation, its rotary size), before the forwards.
     if not args.skip_forward:
         check_configurations(model, args.forward_methods, args.forward_scale)

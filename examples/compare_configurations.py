@@ -52,7 +52,7 @@ from hf_rope_ext.evaluation.records import (
 )
 from hf_rope_ext.evaluation.runner import model_fingerprint
 from hf_rope_ext.files import atomic_write_text
-from hf_rope_ext.loading import load_model
+from hf_rope_ext.evaluation.cli import load_base_model
 from hf_rope_ext.validation import check_scale, is_real
 
 logger = logging.getLogger("compare_configurations")
@@ -167,7 +167,7 @@ def run(parser) -> None:
                          f"{args.text_file.name!r}; use another --output-dir for this text")
     done = {record.get("key"): record for record in stored}
 
-    model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
+    model, tokenizer = load_base_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
     name, fingerprint = model_label(args.model), model_fingerprint(model)
     # a case's key names neither the model nor the text's content: refuse results of others
     check_same_model(stored, results_path, name, args.dtype, fingerprint)

@@ -50,7 +50,7 @@ from hf_rope_ext.evaluation.records import (
 from hf_rope_ext.evaluation.retrieval import TASKS, grade, greedy_generate, make_trial, trial_seed
 from hf_rope_ext.evaluation.runner import model_fingerprint
 from hf_rope_ext.files import atomic_write_text
-from hf_rope_ext.loading import load_model
+from hf_rope_ext.evaluation.cli import load_base_model
 from hf_rope_ext.validation import check_scale, is_real
 
 logger = logging.getLogger("compare_retrieval")
@@ -182,7 +182,7 @@ def run(parser) -> None:
     check_script_results(stored_trials, trials_path)
     check_stored_fields(stored, results_path, TABLE_FIELDS)
 
-    model, tokenizer = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
+    model, tokenizer = load_base_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
     name, fingerprint = model_label(args.model), model_fingerprint(model)
     # keys do not name the model: results and trials of another one would be taken as done
     check_same_model(stored, results_path, name, args.dtype, fingerprint)

@@ -40,7 +40,7 @@ import math
 from hf_rope_ext import DEFAULT_METHOD
 from hf_rope_ext.cli import one_line
 from hf_rope_ext.evaluation import EvalPlan, run_evaluation
-from hf_rope_ext.evaluation.cli import _native_context, float_list, int_list, name_list
+from hf_rope_ext.evaluation.cli import _native_context, float_list, int_list, load_for_evaluation, name_list
 from hf_rope_ext.evaluation.report import comparison_table, state_label, summarize
 from hf_rope_ext.evaluation.documents import documents_from_files
 from hf_rope_ext.evaluation.records import check_output_dir, parse_steps_per_doubling
@@ -55,7 +55,6 @@ from hf_rope_ext.arguments import (
     argument_parser,
     model_label,
 )
-from hf_rope_ext.loading import load_model
 from hf_rope_ext.patching import DEFAULT_STEPS_PER_DOUBLING
 
 
@@ -166,8 +165,8 @@ def run(args: argparse.Namespace) -> None:
     native = _native_context(args.model)
     plan.validate(native)  # every check that needs the model's context, before it loads
     plan.check_reach(native)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
-                                  attn_implementation=args.attn_implementation)  # fmt: skip
+    model, tokenizer = load_for_evaluation(args.model, dtype=args.dtype, device=args.device,
+                                           attn_implementation=args.attn_implementation)  # fmt: skip
     documents = documents_from_files(tokenizer, [args.text_file])
     name = model_label(args.model)
     records = run_evaluation(model, tokenizer, plan, args.output_dir, documents=documents, model_name=name,

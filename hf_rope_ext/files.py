@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import logging
@@ -367,7 +368,7 @@ def atomic_directory(path: str | os.PathLike, *, keep_existing: Callable[[str], 
             if fill_in_place:
                 _swap_in(target, staging, keep_existing)
             else:
-                os.replace(staging, target)
+                _rename_new(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         for folder in created:  # deepest first
@@ -377,3 +378,17 @@ def atomic_directory(path: str | os.PathLike, *, keep_existing: Callable[[str], 
     finally:
         if fill_in_place:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _rename_new(staging: Path, target: Path) -> None:
+    """Rename ``staging`` to the new folder ``target``; refused in one line when another run
+    created ``target`` meanwhile (the rename cannot replace a folder that has entries)."""
+    try:
+        os.replace(staging, target)
+    except OSError as error:
+        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not target.is_dir():
+            raise
+        raise FileExistsError(
+            f"{target} was created by another run while this one wrote it; this run's output was discarded and the "
+            "other's kept. Run again to write over it, or choose another folder."
+        ) from None

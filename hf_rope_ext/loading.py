@@ -22,7 +22,7 @@ import torch
 
 from .arguments import check_device
 from .files import (  # noqa: F401
-    STALE_STAGING_SECONDS, atomic_directory, file_in_the_way, remove_abandoned, restore_interrupted_save,
+    STALE_STAGING_SECONDS, atomic_directory, file_in_the_way, folder_lock, remove_abandoned, restore_interrupted_save,
 )
 
 logger = logging.getLogger(__name__)
@@ -132,19 +132,33 @@ def smollm2_checkpoint() -> Path:
     (cut short by a full disk, say) is converted again.
     """
     target = cache_dir() / "smollm2-135m-instruct"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        damaged = damaged_safetensors(target)
-        if damaged is None:
-            return target
-        logger.warning("%s is damaged (%s); converting it again.", damaged[0], damaged[1])
+    if _cached_copy_is_whole(target):
+        return target
     _check_cache_folder(target)
-    # What killed conversions left beside the cache (a running one in another process keeps its own).
-    remove_abandoned(target, old_copies=True)
-    logger.info("Converting %s to a safetensors checkpoint in %s (once).", SMOLLM2_GGUF, target)
-    # A folder already at target lacks a file checked above or is damaged: it is replaced whole.
-    with atomic_directory(target) as staging:
-        _convert_smollm2(staging)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Processes started together (the ranks of `accelerate launch`, say) convert one at a time: the
+    # others wait, then find the copy whole (two renames onto one new folder would fail).
+    with folder_lock(target.parent, wait=True):
+        if _cached_copy_is_whole(target, report=True):
+            return target
+        # What killed conversions left beside the cache (a running one in another process keeps its own).
+        remove_abandoned(target, old_copies=True)
+        logger.info("Converting %s to a safetensors checkpoint in %s (once).", SMOLLM2_GGUF, target)
+        # A folder already at target lacks a file checked above or is damaged: it is replaced whole.
+        with atomic_directory(target) as staging:
+            _convert_smollm2(staging)
     return target
+
+
+def _cached_copy_is_whole(target: Path, *, report: bool = False) -> bool:
+    """Whether the converted copy at ``target`` has its files and undamaged weights (``report``:
+    log the damage, once, before converting again)."""
+    if not ((target / "config.json").is_file() and (target / "model.safetensors").is_file()):
+        return False
+    damaged = damaged_safetensors(target)
+    if damaged is not None and report:
+        logger.warning("%s is damaged (%s); converting it again.", damaged[0], damaged[1])
+    return damaged is None
 
 
 def is_missing_folder(name_or_path: str | os.PathLike) -> bool:

@@ -1792,7 +1792,7 @@ def test_compare_scripts_refuse_an_eval_folder_before_the_model_loads(tiny_check
     ):  # fmt: skip
         (tmp_path / "doc.txt").write_text("Line of a long story. " * 200)
         module = _example_module(name, script)
-        monkeypatch.setattr(module, "load_model", lambda *a, **k: loads.append(1))
+        monkeypatch.setattr(module, "load_base_model", lambda *a, **k: loads.append(1))
         last = _example_error(module, monkeypatch, capsys, argv)
         assert "holds results of hf-rope-ext eval, not of this script" in last
     assert not loads and (output / "results.jsonl").read_text() == before
@@ -1843,7 +1843,7 @@ def test_compare_retrieval_refuses_an_edited_trials_field_before_the_model_loads
     output.mkdir()
     (output / "results.jsonl").write_text(json.dumps({"key": "k", "config": "none", "trials": "1"}) + "\n")
     module = _example_module("compare_retrieval_edited", "compare_retrieval.py")
-    monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(module, "load_base_model", lambda *a, **k: pytest.fail("the model loaded"))
     last = _example_error(module, monkeypatch, capsys, [
         "compare_retrieval.py", "--model", str(tiny_checkpoint), "--length", "300", "--scale", "2", "--configs", "none",
         "--depths", "0.5", "--trials", "1", "--output-dir", str(output)])  # fmt: skip

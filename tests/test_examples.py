@@ -132,7 +132,7 @@ def _refused_before_loading(module, argv, monkeypatch, capsys) -> str:
     def load_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad input was refused")
 
-    for name in ("load_model", "load_for_evaluation"):  # the loader the example calls
+    for name in ("load_model", "load_for_evaluation", "load_base_model"):  # the loader the example calls
         if hasattr(module, name):
             monkeypatch.setattr(module, name, load_model)
     try:
@@ -183,7 +183,7 @@ def test_benchmark_bad_input_is_one_line_and_exit_2_before_loading(tiny, extra, 
 def test_benchmark_writes_speed_json_atomically_into_a_folder_made_first(tiny, monkeypatch, capsys):
     module = example("benchmark_speed")
     output = tiny / "bench" / "nested"
-    written, real_write, real_load = [], module.atomic_write_json, module.load_model
+    written, real_write, real_load = [], module.atomic_write_json, module.load_base_model
 
     def atomic_write_json(path, data):
         written.append(Path(path).name)
@@ -194,7 +194,7 @@ def test_benchmark_writes_speed_json_atomically_into_a_folder_made_first(tiny, m
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(module, "atomic_write_json", atomic_write_json)
-    monkeypatch.setattr(module, "load_model", load_model)
+    monkeypatch.setattr(module, "load_base_model", load_model)
     assert module.main(["--model", str(tiny / "model"), "--output-dir", str(output), "--device", "cpu",
                         "--forward-tokens", "40", "--forward-repeats", "1", "--forward-methods", "yarn,ntk",
                         "--decode-repeats", "1", "--decode-new-tokens", "2", "--original-context", "16"]) == 0
@@ -270,7 +270,7 @@ def test_compare_configurations_refuses_a_second_text_in_one_folder(tiny, monkey
     def load_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the second text was refused")
 
-    monkeypatch.setattr(module, "load_model", load_model)
+    monkeypatch.setattr(module, "load_base_model", load_model)
     monkeypatch.setattr(sys, "argv", [*common, "--text-files", str(other), "--configs", "yarn"])
     with pytest.raises(SystemExit) as stopped:
         module.main()
@@ -368,3 +368,46 @@ def test_results_table_example_says_what_steps_per_doubling_takes(value, capsys)
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         f"steps per doubling must be a positive integer or 'exact', got {value!r}.")
+
+
+@pytest.mark.parametrize("method", ["yarn", "self-extend-yarn"])
+def test_comparison_scripts_build_a_saved_patched_checkpoints_configurations_from_its_base_rope(tiny, method,
+                                                                                                 monkeypatch):  # fmt: skip
+    """A save_patched checkpoint as --model (a fine-tuned merged/ folder, say): `none` is its weights
+    unpatched and every configuration is built from the original RoPE, as for the base model's own
+    folder. Plain loading recorded the checkpoint's patched RoPE (yarn x2 frequencies, or
+    self-extend-yarn's frequencies without its attention) as `none`, or refused the others with a
+    fix only Python can apply."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_rope_ext import patch_model
+    from hf_rope_ext.hub import save_patched
+
+    checkpoint = tiny / f"saved-{method}"
+    if not checkpoint.exists():
+        model = AutoModelForCausalLM.from_pretrained(tiny / "model")
+        patch_model(model, 2, method)
+        save_patched(model, checkpoint, tokenizer=AutoTokenizer.from_pretrained(tiny / "model"))
+    fields = ("config", "ppl")
+    results = {}
+    for name, folder in (("base", tiny / "model"), ("checkpoint", checkpoint)):
+        output = tiny / f"compare-{method}-{name}"
+        monkeypatch.setattr(sys, "argv", [
+            "compare_configurations.py", "--model", str(folder), "--length", "64", "--scale", "2", "--text-files",
+            str(tiny / "book.txt"), "--output-dir", str(output), "--configs", "none;yarn;self-extend"])  # fmt: skip
+        example("compare_configurations").main()
+        records = [json.loads(line) for line in (output / "results.jsonl").read_text().splitlines()]
+        results[name] = [{field: record[field] for field in fields} for record in records]
+    assert [record["config"] for record in results["base"]] == ["none", "yarn", "self-extend"]
+    assert results["checkpoint"] == results["base"]
+    retrieval = {}
+    for name, folder in (("base", tiny / "model"), ("checkpoint", checkpoint)):
+        output = tiny / f"retrieval-{method}-{name}"
+        monkeypatch.setattr(sys, "argv", [
+            "compare_retrieval.py", "--model", str(folder), "--length", "300", "--scale", "2", "--configs",
+            "none;yarn", "--depths", "0.5", "--trials", "1", "--output-dir", str(output)])  # fmt: skip
+        example("compare_retrieval").main()
+        trials = [json.loads(line) for line in (output / "trials.jsonl").read_text().splitlines()]
+        retrieval[name] = [{key: value for key, value in trial.items() if key not in ("model", "seconds")}
+                           for trial in trials]  # fmt: skip
+    assert len(retrieval["base"]) == 4 and retrieval["checkpoint"] == retrieval["base"]

@@ -17,6 +17,18 @@ def test_new_folder_appears_whole(tmp_path):
     assert (target / "x.txt").read_text() == "1"
     assert sorted(p.name for p in target.parent.iterdir()) == ["out"]
 
+def test_a_new_folder_another_run_created_meanwhile_is_refused_in_one_line(tmp_path):
+    """Two runs writing one new folder: the later rename is refused naming the cause (it was a
+    bare "Directory not empty"), the first run's folder stays and no staging folder is left."""
+    target = tmp_path / "out"
+    with pytest.raises(FileExistsError, match="out was created by another run while this one wrote it"):
+        with atomic_directory(target) as staging:
+            (staging / "x.txt").write_text("mine")
+            target.mkdir()  # the other run's rename
+            (target / "x.txt").write_text("theirs")
+    assert (target / "x.txt").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
 def test_failure_leaves_existing_folder_and_removes_created_parents(tmp_path):
     old = tmp_path / "out"; old.mkdir(); (old / "keep.txt").write_text("old")
     with pytest.raises(RuntimeError):

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -1445,6 +1446,39 @@ def test_smollm2_conversion_removes_what_killed_conversions_left(tmp_path, monke
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         ".other.staging-killed", ".smollm2-135m-instruct.staging-running", "smollm2-135m-instruct"
     ]
+
+
+def test_smollm2_conversions_started_together_convert_once(tmp_path, monkeypatch):
+    """Two loads of a model not yet converted at the same time (the ranks of `accelerate launch`
+    on a new machine): one converts, the other waits for it and reads its copy (two conversions
+    renamed onto one new folder made the second fail with "Directory not empty")."""
+    from hf_rope_ext import loading
+
+    calls = []
+
+    def slow_convert(staging):
+        calls.append(staging)
+        time.sleep(1.0)  # long enough for the other load to reach its own conversion
+        make_model("llama").save_pretrained(staging)
+
+    monkeypatch.setattr(loading, "_convert_smollm2", slow_convert)
+    monkeypatch.setenv("HF_ROPE_EXT_CACHE", str(tmp_path / "cache"))
+    outcomes = []
+
+    def load():
+        try:
+            outcomes.append(loading.smollm2_checkpoint())
+        except Exception as error:  # noqa: BLE001 - the outcome is the assertion
+            outcomes.append(error)
+
+    workers = [threading.Thread(target=load) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    target = tmp_path / "cache" / "smollm2-135m-instruct"
+    assert outcomes == [target, target] and len(calls) == 1
+    assert sorted(path.name for path in (tmp_path / "cache").iterdir()) == ["smollm2-135m-instruct"]
 
 
 # ----------------------------------------------------------------------------------------------

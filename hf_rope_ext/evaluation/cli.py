@@ -242,6 +242,23 @@ def load_for_evaluation(model_name: str, **load_kwargs):
     return model, tokenizer
 
 
+def load_base_model(model_name: str, **load_kwargs):
+    """:func:`load_for_evaluation`, with a save_patched checkpoint's patch then taken off: its
+    weights at their original RoPE, from which the comparison scripts build every configuration,
+    so that ``none`` is these weights unpatched, as in ``hf-rope-ext eval`` (plain loading left the
+    patched RoPE in the config, which ``none`` recorded as the unpatched model)."""
+    from ..patching import get_patch_info, unpatch_model
+
+    model, tokenizer = load_for_evaluation(model_name, **load_kwargs)
+    spec = get_patch_info(model)
+    if spec is not None:
+        unpatch_model(model)
+        logger.info("%s was saved with the %s x%g patch; its configurations are built from its original RoPE "
+                    "('none' is its weights unpatched; its own patch is the configuration %r at scale %g).",
+                    model_name, spec.method, spec.scale, spec.method, spec.scale)  # fmt: skip
+    return model, tokenizer
+
+
 def _model_name(model: str) -> str:
     """The model's name in the records: a local folder's path normalised (``./ckpt/`` -> ``ckpt``),
     a Hub id or alias as :func:`model_label` gives it."""
