@@ -110,7 +110,8 @@ def foreign_cache_error(held: int, written: int, method: str | None, argument: s
         f"model's current {patch} (filled before patching, under another patch, outside the model, or before "
         "this patch was put back by a patched() block, a refused re-patch or check_configurations), so "
         f"their states carry other positions or frequencies; start from a fresh cache ({argument or 'cache'}=None) "
-        "or run the whole sequence in one forward."
+        "or run the whole sequence in one forward. (peft prefix tuning passes its virtual key/values as such a cache, "
+        "which patched models do not support: use LoRA or prompt tuning.)"
     )
 
 

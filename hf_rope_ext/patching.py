@@ -88,6 +88,19 @@ def _check_is_model(model: Any, function: str) -> None:
         )
 
 
+def _check_no_prefix_tuning(model: nn.Module, function: str) -> None:
+    """Refuse a peft model with prefix tuning: its virtual key/values come into every forward as a
+    KV cache the patch did not fill, which each patched forward refuses."""
+    peft_config = getattr(model, "peft_config", None)
+    for name, config in (peft_config.items() if isinstance(peft_config, dict) else ()):
+        peft_type = getattr(config, "peft_type", None)
+        if str(getattr(peft_type, "value", peft_type)) == "PREFIX_TUNING":
+            raise ValueError(
+                f"{function}: adapter {name!r} is peft prefix tuning, whose virtual key/values enter every forward as "
+                "a KV cache filled without the patch, which patched models do not support; use LoRA or prompt tuning."
+            )
+
+
 def _patched_modules(model: nn.Module, function: str = "hf_rope_ext") -> list[tuple[str, ExtendedRotaryEmbedding]]:
     _check_is_model(model, function)
     return [(name, module) for name, module in model.named_modules() if isinstance(module, ExtendedRotaryEmbedding)]
@@ -114,6 +127,11 @@ def find_rotary_module(model: nn.Module) -> tuple[str, nn.Module]:
         )
     if len(candidates) > 1:
         names = ", ".join(name for name, _ in candidates)
+        if any("modules_to_save" in name for name, _ in candidates):  # peft's copy of a wrapped module
+            raise ValueError(
+                f"model_type {model_type!r}: peft's modules_to_save holds the rotary module ({names}); leave it out "
+                "of modules_to_save (it has no weights to train)."
+            )
         raise ValueError(
             f"model_type {model_type!r} has {len(candidates)} rotary modules ({names}); hf_rope_ext supports "
             "models with one rotary embedding shared by all layers."
@@ -233,11 +251,15 @@ def patch_model(
 
     The model gets its own copy of its config, updated to describe the patch (see
     :mod:`hf_rope_ext.config_io`); a config object it shares with another model is left as it
-    was, and :func:`unpatch_model` puts it back.
+    was, and :func:`unpatch_model` puts it back. Copies of the config that the model's own modules
+    hold (a decoder layer in peft's ``modules_to_save``) take the patched config too, and get their
+    own back on unpatching. A peft model with prefix tuning is refused (its virtual key/values come
+    in as a KV cache the patch did not fill).
     Patching an already patched model starts again from the original: scales never compound.
     Like :func:`unpatch_model`, that is refused while a call of the model is under way.
     """
     _check_is_model(model, "patch_model")
+    _check_no_prefix_tuning(model, "patch_model")
     # before auto's calibration: the re-patch after it would be refused
     _check_no_call_under_way(_patched_modules(model, "patch_model"), "patch_model")
     if isinstance(method, str) and method == AUTO_METHOD:
@@ -385,6 +407,7 @@ def apply_spec(model: nn.Module, spec: PatchSpec) -> nn.Module:
     if not isinstance(spec, PatchSpec):
         raise TypeError(f"apply_spec expects a PatchSpec, got {type(spec).__name__}.")
     _check_is_model(model, "apply_spec")
+    _check_no_prefix_tuning(model, "apply_spec")
     with _keeping_the_patch_on_error(model):
         _install(model, _rotary_target(model, "apply_spec"), spec)
     return model
@@ -458,10 +481,12 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec, restoring: _Pat
     below = rope_method.attention_below_settle
     remap_below_settle = _position_remap(spec, below, resolved) if rope_method.settle_length is not None else None
     attention_level = remap is not None or spec.logn_attention
+    copies = _config_copies(model, target.config)
     if attention_level:
         from .attention import check_attention_modules
 
         check_attention_modules(model, target.config, spec.label, target.model_type)
+        _check_every_config_reached(model, target.config, copies, spec.label)
     dropout = _attention_dropout(model, target.config) if attention_level else 0.0
     if dropout and model.training and not restoring:  # (a training forward refuses it anyway)
         raise ValueError(attention_dropout_message(spec.label, dropout))
@@ -529,6 +554,10 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec, restoring: _Pat
         config = _config_put_back(restoring, rotary)
     setattr(caller, attribute, rotary)
     _swap_config(model, target.config, config)
+    # Copies of the config (a layer peft copied) get the patch's config too, and their own back on unpatching.
+    for module, name, _ in copies:
+        vars(module)[name] = config
+    rotary.config_copies = copies
     logger.info(
         "Patched %s (%s) with %s, scale %g: context %d -> %d tokens.",
         target.module_name,
@@ -576,6 +605,81 @@ def _attention_dropout(model: nn.Module, config: Any) -> float:
     values = [getattr(config, "attention_dropout", 0.0)]
     values += [getattr(module, "attention_dropout", 0.0) for module in model.modules()]
     return max((float(value) for value in values if is_real(value)), default=0.0)
+
+
+# Config fields that say how the model is run or where it came from, not what it computes with its
+# weights: a copy of the model's config may differ from it there (set after the copy was made).
+_RUNTIME_CONFIG_FIELDS = frozenset({
+    "_attn_implementation_internal", "_experts_implementation_internal", "_attn_implementation", "_name_or_path",
+    "_commit_hash", "_output_attentions", "output_attentions", "output_hidden_states", "return_dict", "use_cache",
+    "dtype", "torch_dtype", "transformers_version",
+})  # fmt: skip
+
+
+def _same_model_config(value: Any, config: Any) -> bool:
+    """Whether ``value`` is a copy of ``config`` (same class, same values outside the runtime fields)."""
+    if value is config or type(value) is not type(config):
+        return False
+    mine = {key: item for key, item in vars(value).items() if key not in _RUNTIME_CONFIG_FIELDS}
+    theirs = {key: item for key, item in vars(config).items() if key not in _RUNTIME_CONFIG_FIELDS}
+    try:
+        return bool(mine == theirs)
+    except Exception:  # a value without a plain equality (a tensor): not taken for a copy
+        return False
+
+
+def _config_copies(model: nn.Module, config: Any) -> list[tuple[nn.Module, str, Any]]:
+    """``(module, attribute, value)`` for each copy of the model's config ``config`` that a module
+    of ``model`` holds: peft's ``modules_to_save`` deep-copies a decoder layer, whose attention
+    then holds its own config object, and ``merge_and_unload`` keeps that copy."""
+    return [
+        (module, name, value)
+        for module in model.modules()
+        if not isinstance(module, ExtendedRotaryEmbedding)
+        for name, value in list(vars(module).items())
+        if _same_model_config(value, config)
+    ]
+
+
+def _check_every_config_reached(model: nn.Module, config: Any, copies: list, label: str) -> None:
+    """Refuse an attention-level patch when a module holds a config of the model's class that is
+    neither the model's nor a copy of it: its attention would not be routed through the patch."""
+    reached = {id(config)} | {id(value) for _, _, value in copies}
+    for name, module in model.named_modules():
+        if isinstance(module, ExtendedRotaryEmbedding):
+            continue
+        for attribute, value in vars(module).items():
+            if type(value) is type(config) and id(value) not in reached:
+                raise ValueError(
+                    f"{name or type(model).__name__}.{attribute} is a config object other than the model's, with other "
+                    f"values (a layer copied by peft's modules_to_save, then edited?), which the {label!r} attention "
+                    "patch would not reach; patch the model before wrapping it with peft, or give that module the "
+                    "model's config."
+                )
+
+
+def _restore_config_copies(model: nn.Module, rotary: ExtendedRotaryEmbedding) -> None:
+    """Give each module that held a copy of the model's config its own object back (see
+    :func:`_config_copies`), and make every copy of the patch's config in ``model`` (a layer
+    peft deep-copied after patching) read as the original config."""
+    for module, name, value in getattr(rotary, "config_copies", ()):
+        if vars(module).get(name) is rotary.config:
+            vars(module)[name] = value
+    rotary.config_copies = []
+    record = getattr(rotary.config, config_io.RECORD_ATTRIBUTE, None)
+    if record is None:
+        return
+    for module in model.modules():
+        if isinstance(module, ExtendedRotaryEmbedding):
+            continue
+        for value in list(vars(module).values()):
+            if (
+                value is not rotary.config
+                and type(value) is type(rotary.config)
+                and getattr(value, config_io.RECORD_ATTRIBUTE, None) == record
+            ):
+                vars(value).clear()
+                vars(value).update(copy.deepcopy(vars(rotary.original_config)))
 
 
 def _swap_config(model: nn.Module, old: Any, new: Any) -> None:
@@ -667,6 +771,7 @@ def _remove_patches(model: nn.Module, patched: list[tuple[str, ExtendedRotaryEmb
         # The module and the config first: nothing below can fail and leave the model half patched.
         caller, attribute = owner_and_attribute(model, module_name)
         setattr(caller, attribute, rotary.original_rotary)
+        _restore_config_copies(model, rotary)
         _swap_config(model, rotary.config, rotary.original_config)
         if rotary.cache_guard is not None:
             rotary.cache_guard.remove()

@@ -172,6 +172,12 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.cache_guard = None  # set by patch_model: PrefixRecompute (length-dependent), CacheRecord (static)
         self.spec = None  # the PatchSpec applied (get_patch_info), set by patch_model
         self.attention_patch = None  # set by patch_model for attention-level methods and log-n attention
+        # (module, attribute, config) for each copy of the model's config that patch_model replaced
+        # with the patched one (a layer peft's modules_to_save copied), put back by unpatch_model.
+        self.config_copies: list = []
+        # True in a copy made apart from its model (copy.deepcopy of this module alone, as peft's
+        # modules_to_save makes): the model's hooks, which keep the patch's state, do not reach it.
+        self.copied_apart = False
         settle = method.settle_length
         self.settle_length: int | None = int(settle(params)) if settle is not None and method.length_dependent else None
         # A method with a remap below its settle length keeps the trained frequencies up to it
@@ -304,10 +310,34 @@ class ExtendedRotaryEmbedding(nn.Module):
         return copied
 
     def __deepcopy__(self, memo: dict) -> ExtendedRotaryEmbedding:
+        # Copying the model reaches this module through the hook tables of the module that calls it
+        # (their hooks refer to it) or after them (its submodules come after its hook tables): when
+        # none of them is being copied, this module is copied alone.
+        tables = self._hook_tables()
+        apart = bool(tables) and not any(id(table) in memo for table in tables)
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
         copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        if apart:
+            copied.copied_apart = True
+            # The copied handles point at copies of the model's hook tables that nothing holds:
+            # once those are gone, copying the copy again would fail (weak reference to None).
+            for owner, attribute in ((copied.cache_guard, "handles"), (copied.attention_patch, "hooks")):
+                if isinstance(getattr(owner, attribute, None), list):
+                    setattr(owner, attribute, [])
         return copied
+
+    def _hook_tables(self) -> list[Any]:
+        """The hook tables (dicts of a module) that the patch's forward hooks are registered in."""
+        handles = list(getattr(self.cache_guard, "handles", None) or ())
+        handles += list(getattr(self.attention_patch, "hooks", None) or ())
+        tables = []
+        for handle in handles:
+            reference = getattr(handle, "hooks_dict_ref", None)
+            table = reference() if callable(reference) else None
+            if table is not None:
+                tables.append(table)
+        return tables
 
     def _original_frequencies_exact(self) -> bool:
         """Whether the original module's frequencies are this module's own, to float32 rounding.
@@ -342,8 +372,22 @@ class ExtendedRotaryEmbedding(nn.Module):
         if self.training and self.attention_dropout:
             raise ValueError(attention_dropout_message(label, self.attention_dropout))
 
+    def _check_not_copied_apart(self) -> None:
+        """Refuse to run a copy of this module made without its model when the patch keeps state in
+        the model's hooks (length-dependent and attention-level patches): the copy would run with the
+        state of a module that is never called (wrong logits, wrong cached generation)."""
+        if self.copied_apart and (self.method.length_dependent or self.attention_patch is not None):
+            label = self.spec.label if self.spec is not None else self.method.name
+            raise ValueError(
+                f"This rotary module is a copy of a {label!r}-patched model's rotary embedding made apart from the "
+                "model (peft's modules_to_save=['rotary_emb'] makes one), which the patch's hooks do not reach; leave "
+                "the rotary module out of modules_to_save (it has no weights to train), or copy the whole model."
+            )
+
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if getattr(self, "copied_apart", False):
+            self._check_not_copied_apart()
         if self.attention_patch is not None:
             self._check_attention_patch()
         if self.method.length_dependent:

@@ -128,3 +128,134 @@ def test_training_step_backpropagates_through_patched_model():
     assert buffers
     torch.optim.SGD(model.parameters(), lr=1.0).step()
     assert all(torch.equal(buffer, buffers[name]) for name, buffer in rotary.named_buffers())
+
+
+# -- peft: modules_to_save, prefix tuning -------------------------------------------------------
+# References: the same tiny model patched the same way without peft (LoRA B starts at zero and a
+# modules_to_save copy starts equal to its module, so the logits must be the same), and a peft
+# model that was never patched.
+
+
+def _lora(**kwargs):
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, target_modules=["q_proj"], **kwargs)
+
+
+def _copied_layer(peft_model):
+    return peft_model.base_model.model.model.layers[1].modules_to_save["default"]
+
+
+@pytest.mark.parametrize("method", ["self-extend-yarn", "dual-chunk"])
+@pytest.mark.parametrize("order", ["peft-then-patch", "patch-then-peft"])
+def test_a_decoder_layer_in_modules_to_save_is_patched_unpatched_and_repatched(order, method):
+    from peft import get_peft_model
+
+    ids = random_ids(3 * L0)
+    reference = patch_model(make_model(), scale=4, method=method)
+    never_patched = get_peft_model(make_model(), _lora(modules_to_save=["layers.1"]))
+    model = make_model()
+    if order == "patch-then-peft":
+        patch_model(model, scale=4, method=method)
+    peft_model = get_peft_model(model, _lora(modules_to_save=["layers.1"]))
+    copied_config = _copied_layer(peft_model).self_attn.config
+    if order == "peft-then-patch":
+        patch_model(peft_model, scale=4, method=method)
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+        unpatch_model(peft_model)
+        # the copied layer holds its own config object again, reading as the original
+        assert _copied_layer(peft_model).self_attn.config is copied_config
+        assert copied_config._attn_implementation == "eager"
+        assert torch.equal(peft_model(ids).logits, never_patched(ids).logits)
+        other = "dual-chunk" if method != "dual-chunk" else "self-extend-yarn"
+        patch_model(peft_model, scale=4, method=other)
+        patch_model(reference, scale=4, method=other)
+        torch.testing.assert_close(peft_model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_a_merged_modules_to_save_layer_is_patched_with_the_rest():
+    from peft import get_peft_model
+
+    ids = random_ids(3 * L0)
+    merged = get_peft_model(make_model(), _lora(modules_to_save=["layers.1"])).merge_and_unload()
+    fresh = make_model(seed=1)
+    fresh.load_state_dict(merged.state_dict())
+    for model in (merged, fresh):
+        patch_model(model, scale=4, method="self-extend-yarn")
+    with torch.no_grad():
+        assert torch.equal(merged(ids).logits, fresh(ids).logits)
+
+
+@pytest.mark.parametrize("method", ["dynamic-yarn", "self-extend-yarn"])
+def test_the_rotary_module_in_modules_to_save_is_refused_in_one_line(method):
+    from peft import get_peft_model
+
+    model = patch_model(make_model(), scale=4, method=method)
+    peft_model = get_peft_model(model, _lora(modules_to_save=["rotary_emb"]))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"modules_to_save=\['rotary_emb'\]") as error:
+        peft_model(random_ids(3 * L0))
+    assert "\n" not in str(error.value)
+    # the other order: refused at patch_model, naming modules_to_save
+    wrapped = get_peft_model(make_model(), _lora(modules_to_save=["rotary_emb"]))
+    with pytest.raises(ValueError, match="modules_to_save holds the rotary module"):
+        patch_model(wrapped, scale=4, method=method)
+    assert get_patch_info(wrapped) is None
+
+
+def test_the_rotary_module_in_modules_to_save_of_a_static_patch_works_and_copies():
+    import copy
+
+    from peft import get_peft_model
+
+    ids = random_ids(3 * L0)
+    reference = patch_model(make_model(), scale=4, method="yarn")
+    patched_model = patch_model(make_model(), scale=4, method="yarn")
+    peft_model = get_peft_model(patched_model, _lora(modules_to_save=["rotary_emb"]))
+    copied = copy.deepcopy(peft_model)
+    with torch.no_grad():
+        assert torch.equal(peft_model(ids).logits, reference(ids).logits)
+        assert torch.equal(copied(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.parametrize("method", ["yarn", "dynamic-yarn", "self-extend", "dual-chunk"])
+def test_a_copy_of_a_copy_of_a_patched_rotary_module(method):
+    import copy
+
+    model = patch_model(make_model(), scale=4, method=method)
+    twice = copy.deepcopy(copy.deepcopy(model.model.rotary_emb))
+    positions = torch.arange(L0)[None]
+    x = torch.zeros(1)
+    expected = model.model.rotary_emb(x, positions)
+    if method in ("yarn",):  # a static rotary-only patch keeps no state in the model's hooks
+        assert all(torch.equal(a, b) for a, b in zip(twice(x, positions), expected))
+    else:
+        with pytest.raises(ValueError, match="copy of a .* made apart from the model"):
+            twice(x, positions)
+
+
+@pytest.mark.parametrize("method", ["yarn", "self-extend"])
+def test_peft_prefix_tuning_is_refused_naming_it(method):
+    from peft import PrefixTuningConfig, get_peft_model
+
+    prefix = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=10)
+    ids = random_ids(2 * L0)
+    peft_model = get_peft_model(patch_model(make_model(), scale=4, method=method), prefix)
+    with torch.no_grad(), pytest.raises(ValueError, match="peft prefix tuning .* use LoRA or prompt tuning"):
+        peft_model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    wrapped = get_peft_model(make_model(), prefix)
+    with pytest.raises(ValueError, match="prefix tuning.*use LoRA or prompt tuning"):
+        patch_model(wrapped, scale=4, method=method)
+    assert get_patch_info(wrapped) is None
+
+
+def test_an_edited_copy_of_the_config_is_refused_by_attention_level_patches():
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(make_model(), _lora(modules_to_save=["layers.1"]))
+    _copied_layer(peft_model).self_attn.config.rms_norm_eps = 1e-3  # no longer a copy of the model's config
+    with pytest.raises(ValueError, match="config object other than the model's.*modules_to_save") as error:
+        patch_model(peft_model, scale=4, method="self-extend-yarn")
+    assert "\n" not in str(error.value)
+    assert get_patch_info(peft_model) is None
+    assert _copied_layer(peft_model).self_attn.config._attn_implementation == "eager"
