@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def report(line: str) -> None:
+    """Print ``line`` to stderr on the main process only: under `accelerate launch` every process
+    meets the same bad input (the checks are the same everywhere), and the user wants it once."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -53,17 +61,17 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)  # refuses dataset-only flags given with --text-files
         summary = finetune(config)
     except (ValueError, TypeError, OSError) as error:  # bad input (settings, a missing file, an unreadable dataset)
-        print(f"error: {error}", file=sys.stderr)
+        report(f"error: {error}")
         return 2
     except FloatingPointError as error:  # the loss became nan/inf: a failed run, not bad input
-        print(f"error: {error}", file=sys.stderr)
+        report(f"error: {error}")
         return 1
     except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
         latest = latest_checkpoint(Path(args.output_dir) / "checkpoints")
         kept = (f"the checkpoints saved so far are kept in {args.output_dir}; rerun the same command with --resume to "
                 f"go on from the last one ({latest.name})" if latest is not None else
                 "no checkpoint had been written yet (--save-steps); rerun the command without --resume to start again")
-        print(f"\ninterrupted: {kept}.", file=sys.stderr)
+        report(f"\ninterrupted: {kept}.")
         return 130
     if summary:  # the main process
         keys = ("method", "scale", "target_length", "pose", "steps", "tokens_seen", "tokens_per_second", "final_loss", "wall_time_s")

@@ -179,8 +179,10 @@ def _save_patched(model: nn.Module, save_directory: str | os.PathLike, *, tokeni
     _refuse_push_kwargs(save_kwargs)
     if hasattr(model, "peft_config"):
         raise ValueError(
-            "This is a peft model: saving it would store the adapter only. Merge it first "
-            "(model = model.merge_and_unload()) and save the merged model."
+            "This model carries a peft adapter: saving it would store the adapter only. Save the merged model: "
+            "merged = peft_model.merge_and_unload() on the peft.PeftModel (not on its get_base_model()); for an "
+            "adapter added with model.load_adapter(), load it with peft.PeftModel.from_pretrained(base, adapter_dir) "
+            "instead and merge_and_unload() that, or use hf_rope_ext.training.merge_adapter(base_model, adapter_dir)."
         )
     _refuse_unknown_save_kwargs(model, save_kwargs, "save_patched")
     if callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is None:

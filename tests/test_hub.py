@@ -2492,3 +2492,27 @@ def test_model_card_attributes_no_evaluation_to_a_patch_with_parameters_eval_doe
         render_model_card(config, base_model="org/tiny-base", eval_dir=evaluation)
     card, _ = render_model_card(config, base_model="org/tiny-base")  # without results: rendered
     assert not card.data.eval_results
+
+
+def test_save_patched_refusal_of_a_model_carrying_an_adapter_names_fixes_that_exist(tmp_path):
+    """The refusal's fixes must exist on what the user holds: a PeftModel's inner model (and a model
+    given an adapter with transformers' load_adapter) has no merge_and_unload."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    import hf_rope_ext.training
+
+    model = make_model("llama")
+    _patch(model, "yarn")
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    inner = peft_model.get_base_model()
+    assert not hasattr(inner, "merge_and_unload")  # so "model.merge_and_unload()" alone cannot be the fix
+    for holder in (peft_model, inner):
+        with pytest.raises(ValueError) as refusal:
+            save_patched(holder, tmp_path / "ckpt")
+        message = str(refusal.value)
+        assert "\n" not in message
+        assert "merge_and_unload()" in message and hasattr(peft_model, "merge_and_unload")
+        assert "PeftModel.from_pretrained" in message and hasattr(PeftModel, "from_pretrained")
+        assert "hf_rope_ext.training.merge_adapter" in message and callable(hf_rope_ext.training.merge_adapter)
+        assert "get_base_model()" in message and "load_adapter()" in message
+    assert not (tmp_path / "ckpt").exists()

@@ -1079,3 +1079,231 @@ def test_smollm2_smoke_run_merges_and_reloads(tmp_path):
     ids = tokenizer((BOOKS / "pg1342.txt").read_text(encoding="utf-8")[5000:7000], return_tensors="pt").input_ids[:, :160]
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapter_model(ids).logits, atol=5e-4, rtol=1e-4)
+
+
+# -- tied embeddings as LoRA targets, adapter records, precision, checkpoint pruning ----------------
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny-tied"), tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(lora_target_modules=["q_proj", "lm_head"]),
+    dict(lora_target_modules=["q_proj", "embed_tokens"]),
+    dict(lora_target_modules=["q_proj", "lm_head"], train_embeddings=True),  # peft's TypeError after loading, before
+])
+def test_lora_on_a_tied_head_or_embedding_is_refused_before_the_model_loads(tied_model, varied_text, tmp_path,
+                                                                           monkeypatch, overrides):
+    """merge_and_unload writes the head's LoRA update into the matrix it shares with the input
+    embeddings, so merged/ would be another model than adapter/: refused, naming the flag and the tie."""
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(trainer_module, "build_model", load)
+    output = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"--lora-target-modules.*tie_word_embeddings") as refusal:
+        finetune(config_for(tied_model, output, varied_text, **overrides))
+    assert "\n" not in str(refusal.value)
+    assert not output.exists()
+
+
+def test_lora_on_the_head_of_an_untied_model_merges_to_the_adapter_model(tiny_model, varied_text, tmp_path):
+    """Untied, the head is an ordinary linear layer: still accepted, and merged/ is the adapter model."""
+    output = tmp_path / "run"
+    finetune(config_for(tiny_model, output, varied_text, max_steps=2, lora_target_modules=["q_proj", "lm_head"]))
+    merged = AutoModelForCausalLM.from_pretrained(output / "merged", attn_implementation="eager").eval()
+    adapter_model, _ = load_adapter_model(str(tiny_model), output / "adapter", attn_implementation="eager")
+    ids = torch.randint(3, 128, (1, 3 * L0), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapter_model(input_ids=ids).logits, atol=2e-5, rtol=1e-5)
+
+
+def test_apply_lora_refuses_a_tied_head_target_on_a_loaded_model():
+    model = make_model("llama", tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="lm_head.*tie_word_embeddings"):
+        apply_lora(model, LoraSettings(rank=2, target_modules=["q_proj", "lm_head"]))
+
+
+@pytest.mark.parametrize("damage", ["missing", "run_folder", "cut", "empty"])
+def test_load_adapter_model_names_a_missing_or_damaged_rope_patch_file(tiny_model, tmp_path, damage):
+    run = tmp_path / "run"
+    adapter = run / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    record = adapter / model_module.ROPE_PATCH_FILE
+    given = run if damage == "run_folder" else adapter
+    if damage == "run_folder":
+        record.write_text("{}")
+    elif damage == "cut":
+        record.write_text('{"method": "yarn", "sca')
+    elif damage == "empty":
+        record.write_text("")
+    expected = {"missing": r"rope_patch\.json not found.*adapter/ folder",
+                "run_folder": r"run's folder, not its adapter: pass .*adapter",
+                "cut": r"rope_patch\.json is damaged .*training_summary\.json",
+                "empty": r"rope_patch\.json is damaged"}[damage]
+    for load in (load_adapter_model, model_module.merge_adapter):
+        with pytest.raises(ValueError, match=expected) as refusal:
+            load(str(tiny_model), given)
+        assert "\n" not in str(refusal.value) and str(given) in str(refusal.value)
+
+
+def _launched_in_bf16(monkeypatch):
+    """What `accelerate launch --mixed_precision bf16` gives the run: bf16 without the --bf16 flag."""
+    real = trainer_module.make_accelerator
+
+    def make(config):
+        accelerator, _, sharded = real(config)
+        return accelerator, True, sharded
+
+    monkeypatch.setattr(trainer_module, "make_accelerator", make)
+
+
+def test_resume_under_another_effective_precision_is_refused(tiny_model, varied_text, killed_run, tmp_path, monkeypatch):
+    output = copy_of(killed_run, tmp_path)  # an fp32 run
+    _launched_in_bf16(monkeypatch)
+    with pytest.raises(ValueError, match=r"precision: 'fp32' -> 'bf16'.*--mixed_precision bf16"):
+        trainer_module.prepare_run(config_for(tiny_model, output, varied_text, resume=True, **RESUME_SETTINGS))
+    with pytest.raises(ValueError, match=r"precision: 'fp32' -> 'bf16'"):
+        trainer_module.prepare_run(config_for(tiny_model, output, varied_text, resume=True, bf16=True, **RESUME_SETTINGS))
+
+
+def test_resume_in_the_same_effective_precision_is_accepted(tiny_model, varied_text, tmp_path, monkeypatch):
+    """A --bf16 run resumed under the launcher's bf16 (no flag) trains in the same precision."""
+    output = tmp_path / "run"
+    settings = dict(RESUME_SETTINGS, max_steps=3)
+    with monkeypatch.context() as patch:
+        _kill_during_step(patch, step=3)
+        with pytest.raises(Killed):
+            finetune(config_for(tiny_model, output, varied_text, bf16=True, **settings))
+    with monkeypatch.context() as patch:
+        _launched_in_bf16(patch)
+        run = trainer_module.prepare_run(config_for(tiny_model, output, varied_text, resume=True, **settings))
+    assert run.bf16 and run.resume_from is not None
+    with pytest.raises(ValueError, match=r"precision: 'bf16' -> 'fp32'"):
+        trainer_module.prepare_run(config_for(tiny_model, output, varied_text, resume=True, **settings))
+
+
+@pytest.mark.parametrize("flag_was_on", [True, False])
+def test_resume_of_a_checkpoint_that_recorded_only_the_bf16_flag(tiny_model, varied_text, killed_run, tmp_path, monkeypatch,
+                                                                  flag_was_on):
+    """Earlier checkpoints recorded the --bf16 flag: on means bf16; off cannot tell a launcher's bf16
+    from fp32, so either is accepted (with a warning for bf16)."""
+    output = copy_of(killed_run, tmp_path)
+    state_file = output / "checkpoints" / "step-0000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["run"].pop("precision", None)
+    state["run"]["bf16"] = flag_was_on
+    state_file.write_text(json.dumps(state))
+    fp32 = config_for(tiny_model, output, varied_text, resume=True, **RESUME_SETTINGS)
+    if flag_was_on:
+        trainer_module.prepare_run(config_for(tiny_model, output, varied_text, resume=True, bf16=True, **RESUME_SETTINGS))
+        with monkeypatch.context() as patch:
+            _launched_in_bf16(patch)
+            trainer_module.prepare_run(fp32)
+        with pytest.raises(ValueError, match=r"precision: 'bf16' -> 'fp32'"):
+            trainer_module.prepare_run(config_for(tiny_model, output, varied_text, resume=True, **RESUME_SETTINGS))
+    else:
+        trainer_module.prepare_run(fp32)
+        with monkeypatch.context() as patch:
+            _launched_in_bf16(patch)
+            trainer_module.prepare_run(config_for(tiny_model, output, varied_text, resume=True, **RESUME_SETTINGS))
+
+
+def test_resume_refusal_of_another_global_batch_names_the_flags(tiny_model, varied_text, killed_run, tmp_path):
+    output = copy_of(killed_run, tmp_path)
+    with pytest.raises(ValueError, match=r"global_batch: 1 -> 2 \(.*processes x --per-device-batch-size x "
+                                         r"--gradient-accumulation-steps"):
+        trainer_module.prepare_run(config_for(tiny_model, output, varied_text, resume=True, per_device_batch_size=2,
+                                              **RESUME_SETTINGS))
+
+
+def _save_step(folder: Path, step: int, keep_last: int = 2) -> Path:
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([param])
+    return checkpoint_module.save_checkpoint(folder, step, trainable={"p": param}, optimizer=optimizer, param_names=["p"],
+                                             trainer_state={}, keep_last=keep_last)
+
+
+def test_a_kill_while_removing_an_old_checkpoint_leaves_no_folder_under_a_checkpoint_name(tmp_path, monkeypatch):
+    folder = tmp_path / "checkpoints"
+    for step in (1, 2):
+        _save_step(folder, step)
+    real_rmtree = shutil.rmtree
+
+    def killed_after_one_file(path, *args, **kwargs):  # the process dies inside the deletion of step 1
+        if "step-0000001" not in Path(path).name:
+            return real_rmtree(path, *args, **kwargs)
+        sorted(Path(path).iterdir())[0].unlink()
+        raise Killed()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint_module.shutil, "rmtree", killed_after_one_file)
+        with pytest.raises(Killed):
+            _save_step(folder, 3)  # prunes step 1
+    visible = sorted(path.name for path in folder.iterdir() if not path.name.startswith("."))
+    assert visible == ["step-0000002", "step-0000003"]  # step 1 is not left half-deleted under its name
+    assert [step for step, _ in list_checkpoints(folder)] == [2, 3]
+    _save_step(folder, 4)  # the next save removes the leftover
+    assert sorted(path.name for path in folder.iterdir()) == ["step-0000003", "step-0000004"]
+
+
+def test_a_half_deleted_checkpoint_left_by_earlier_versions_is_removed_but_never_the_newest(tmp_path):
+    folder = tmp_path / "checkpoints"
+    _save_step(folder, 1)
+    orphan = folder / "step-0000000"  # what rank 0 killed inside rmtree left: one rank's RNG file
+    orphan.mkdir()
+    (orphan / "rng-rank1.safetensors").write_bytes(b"x")
+    _save_step(folder, 2, keep_last=5)
+    assert sorted(path.name for path in folder.iterdir()) == ["step-0000001", "step-0000002"]
+    _save_step(folder, 3, keep_last=1)
+    assert sorted(path.name for path in folder.iterdir()) == ["step-0000003"]
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_example_script_prints_bad_input_on_the_main_process_only(monkeypatch, capsys, rank, printed):
+    """Under accelerate launch every process meets the same bad input: one line, not one per process."""
+    script = load_example_script()
+
+    def refuse(config):
+        raise ValueError("--scale must be > 1.")
+
+    monkeypatch.setattr(script, "finetune", refuse)
+    monkeypatch.setenv("RANK", rank)
+    assert script.main(SCRIPT_ARGUMENTS) == 2
+    assert capsys.readouterr().err == ("error: --scale must be > 1.\n" if printed else "")
+
+
+@pytest.mark.slow
+def test_launcher_bf16_is_recorded_and_a_resume_in_another_precision_refused(tiny_model, varied_text, tmp_path):
+    """`accelerate launch --mixed_precision bf16` (no --bf16 flag) trains in bf16: the checkpoint says so,
+    a resume in fp32 is refused, one with --bf16 accepted. Bad input is reported once, not per process."""
+    arguments = ["--model", str(tiny_model), "--text-files", str(varied_text), "--method", "yarn", "--scale", "4",
+                 "--pose", "--max-steps", "2", "--learning-rate", "1e-2", "--lora-rank", "4", "--lora-alpha", "8",
+                 "--attn-implementation", "eager", "--save-steps", "1"]
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+    def launch(output: Path, *extra: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(REPO / "examples" / "accelerate_configs" / "ddp.yaml"), "--mixed_precision", "bf16",
+                   "--main_process_port", str(_free_port()), str(REPO / "examples" / "finetune_lora.py"),
+                   "--output-dir", str(output), *arguments, *extra]
+        return subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment, cwd=REPO)
+
+    output = tmp_path / "ddp"
+    result = launch(output)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((output / "training_summary.json").read_text())["precision"] == "bf16"
+    state = checkpoint_module.read_trainer_state(output / "checkpoints" / "step-0000002")
+    assert state["run"]["precision"] == "bf16"
+    # The same run resumed in one process (accumulation 2: the same examples per step).
+    same = dict(max_steps=2, save_steps=1, gradient_accumulation_steps=2, resume=True)
+    with pytest.raises(ValueError, match=r"precision: 'bf16' -> 'fp32'"):
+        trainer_module.prepare_run(config_for(tiny_model, output, varied_text, **same))
+    trainer_module.prepare_run(config_for(tiny_model, output, varied_text, bf16=True, **same))
+
+    refused = launch(output)  # the run is there already and --resume is missing
+    assert refused.returncode != 0
+    assert refused.stderr.count("error: ") == 1 and "Pass --resume" in refused.stderr

@@ -23,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "prune_checkpoints",
     "read_trainer_state",
     "save_checkpoint",
 ]
@@ -47,6 +49,8 @@ __all__ = [
 STATE_FILE = "trainer_state.json"
 # Hidden folder beside the checkpoints where every process leaves its RNG state while saving.
 RNG_STAGING_SUFFIX = ".staging-rng"
+# Part of the hidden name an old checkpoint is renamed to before it is deleted.
+REMOVING_MARKER = ".removing-"
 _NAME = re.compile(r"^step-(\d+)$")
 
 
@@ -206,11 +210,42 @@ def save_checkpoint(
         finally:
             shutil.rmtree(rng_folder, ignore_errors=True)
         logger.info("Saved checkpoint %s.", final)
-        for _, old in list_checkpoints(folder)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-            logger.info("Removed old checkpoint %s.", old)
+        prune_checkpoints(folder, keep_last)
     barrier()
     return final
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint folder. It is renamed to a hidden name first, so that a process killed
+    during the deletion leaves no half-deleted folder under a checkpoint name (such leftovers are
+    removed by :func:`prune_checkpoints` and at the next start)."""
+    hidden = path.with_name(f".{path.name}{REMOVING_MARKER}{uuid.uuid4().hex[:8]}")
+    try:
+        os.replace(path, hidden)
+    except OSError:  # (a file system that cannot rename it): delete in place
+        hidden = path
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def prune_checkpoints(folder: str | Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints; also remove what an interrupted
+    removal left: hidden ``.removing-`` folders, and ``step-N`` folders without trainer_state.json
+    older than the newest complete checkpoint (half-deleted in place by earlier versions)."""
+    folder = Path(folder)
+    complete = list_checkpoints(folder)
+    if not complete or keep_last < 1:
+        return
+    for _, old in complete[:-keep_last]:
+        remove_checkpoint(old)
+        logger.info("Removed old checkpoint %s.", old)
+    newest = complete[-1][0]
+    for entry in folder.iterdir():
+        match = _NAME.match(entry.name)
+        if entry.name.startswith(".") and REMOVING_MARKER in entry.name:
+            shutil.rmtree(entry, ignore_errors=True)
+        elif match and entry.is_dir() and int(match.group(1)) < newest and not (entry / STATE_FILE).is_file():
+            remove_checkpoint(entry)
+            logger.info("Removed %s, a checkpoint left half-deleted.", entry)
 
 
 # What a resumed run reads from trainer_state.json and optimizer.json.

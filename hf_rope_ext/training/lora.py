@@ -18,7 +18,8 @@ from ..validation import is_finite
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoraSettings", "apply_lora", "default_lora_targets", "embedding_module_names", "norm_module_names"]
+__all__ = ["LoraSettings", "apply_lora", "check_tied_targets", "default_lora_targets", "embedding_module_names",
+           "norm_module_names"]
 
 
 @dataclass
@@ -121,6 +122,32 @@ def _ties_output_head(model: nn.Module) -> bool:
     return head is not None and head.weight is model.get_input_embeddings().weight
 
 
+def check_tied_targets(model: nn.Module, settings: LoraSettings) -> None:
+    """Refuse LoRA targets on an output head tied to the input embeddings (``ValueError``).
+
+    LoRA on one of the pair changes one use of the shared matrix only, but ``merge_and_unload``
+    writes the update into the shared matrix, so the merged model would differ from the adapter
+    model (peft only warns). ``model`` may be a skeleton on the meta device: only its structure is read.
+    """
+    if not settings.target_modules or not _ties_output_head(model):
+        return
+    pair = {module: role for module, role in ((model.get_output_embeddings(), "output head"),
+                                              (model.get_input_embeddings(), "input embeddings"))}
+    tied = {}  # leaf name -> role, for the leaf names of the tied pair
+    for name, module in model.named_modules():
+        if name and module in pair:
+            tied[_leaf_name(name)] = pair[module]
+    named = [target for target in settings.target_modules if target in tied]
+    if named:
+        which = ", ".join(f"{target} (the {tied[target]})" for target in named)
+        raise ValueError(
+            f"--lora-target-modules names {which}, whose weight this model shares between input embeddings and "
+            "output head (tie_word_embeddings=True): merged/ would carry the LoRA update in both and differ from "
+            f"adapter/. Drop {', '.join(named)} from --lora-target-modules; use --train-embeddings to train the "
+            "shared matrix (it stays tied)."
+        )
+
+
 def apply_lora(model: nn.Module, settings: LoraSettings):
     """Wrap ``model`` with peft LoRA as ``settings`` say; returns the ``PeftModel``.
 
@@ -130,6 +157,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
     from peft import LoraConfig, get_peft_model
 
     settings.validate()
+    check_tied_targets(model, settings)
     targets = list(settings.target_modules) if settings.target_modules else default_lora_targets(model)
     modules_to_save: list[str] = []
     if settings.train_embeddings:

@@ -14,9 +14,9 @@ from .. import get_patch_info, patch_model
 from ..methods import LOGN_SUFFIX, get_method
 from ..spec import PatchSpec
 from .config import FinetuneConfig, Lengths
-from .lora import LoraSettings, apply_lora
+from .lora import LoraSettings, apply_lora, check_tied_targets
 
-__all__ = ["ROPE_PATCH_FILE", "build_model", "check_patch", "load_adapter_model", "merge_adapter", "needs_load_patched", "rope_patch_record"]
+__all__ = ["ROPE_PATCH_FILE", "build_model", "check_lora_targets", "check_patch", "load_adapter_model", "merge_adapter", "needs_load_patched", "rope_patch_record"]
 
 ROPE_PATCH_FILE = "rope_patch.json"
 
@@ -65,6 +65,28 @@ def patch_from_record(model, record: dict[str, Any]) -> None:
     PatchSpec.from_record(record, source=ROPE_PATCH_FILE).apply(model)
 
 
+def read_rope_patch_record(adapter_dir: str | os.PathLike) -> dict[str, Any]:
+    """``adapter_dir/rope_patch.json``; a missing or unreadable file raises one ``ValueError`` naming it and the fix."""
+    adapter_dir = Path(adapter_dir)
+    path = adapter_dir / ROPE_PATCH_FILE
+    if not path.is_file():
+        if (adapter_dir / "adapter" / ROPE_PATCH_FILE).is_file():  # the run's output folder was given
+            raise ValueError(f"{adapter_dir} is a fine-tuning run's folder, not its adapter: pass {adapter_dir / 'adapter'}.")
+        raise ValueError(
+            f"{path} not found: it records how the base model was patched for this adapter. Pass the adapter/ folder "
+            "of a fine-tuning run (it holds adapter_config.json and rope_patch.json), or patch the base as the run's "
+            "training_summary.json 'rope_patch' says and load the adapter with peft.PeftModel.from_pretrained."
+        )
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"{path} is damaged (not valid JSON: {error}). Restore it from the run's training_summary.json, whose "
+            "'rope_patch' entry holds the same record, or rerun the fine-tuning."
+        ) from None
+    return record
+
+
 def load_adapter_model(base_model: str, adapter_dir: str | os.PathLike, *, dtype: str = "fp32", attn_implementation: str = "sdpa"):
     """The base model, patched as recorded in ``adapter_dir/rope_patch.json``, with the adapter on top.
 
@@ -74,7 +96,7 @@ def load_adapter_model(base_model: str, adapter_dir: str | os.PathLike, *, dtype
 
     from ..loading import load_model
 
-    record = json.loads((Path(adapter_dir) / ROPE_PATCH_FILE).read_text(encoding="utf-8"))
+    record = read_rope_patch_record(adapter_dir)
     model, tokenizer = load_model(base_model, dtype=dtype, device="cpu", attn_implementation=attn_implementation)
     patch_from_record(model, record)
     return PeftModel.from_pretrained(model, str(adapter_dir)).eval(), tokenizer
@@ -133,6 +155,21 @@ def check_patch(config: FinetuneConfig, lengths: Lengths, model_config) -> None:
     except (ValueError, TypeError, ArithmeticError) as error:
         kind = TypeError if isinstance(error, TypeError) else ValueError
         raise kind(f"--method-params {json.dumps(params, default=repr)}: {error}") from None
+
+
+def check_lora_targets(config: FinetuneConfig, model_config) -> None:
+    """LoRA targets on tied embeddings, refused from the model's structure before the weights load
+    (the model built without weights on the meta device); :func:`apply_lora` checks again."""
+    if not config.lora_target_modules:
+        return
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(model_config)
+    except (ValueError, ImportError, KeyError, TypeError):  # (remote code): apply_lora refuses after loading
+        return
+    check_tied_targets(skeleton, config.lora_settings())
 
 
 def build_model(config: FinetuneConfig, model_path: str, lengths: Lengths, device: torch.device, bf16: bool):

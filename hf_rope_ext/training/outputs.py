@@ -46,8 +46,9 @@ SUMMARY_FILE = "training_summary.json"
 LOG_FILE = "train_log.jsonl"
 # Parts of the names atomic_directory, save_patched and save_checkpoint give their temporary
 # folders (".<name>.staging-XXXX" beside a new folder, ".hf_rope_ext.staging-XXXX" inside an existing
-# one). Not ".old-": a run killed mid-swap may have only that copy.
-STAGING_MARKERS = (".staging-", ".saving-")
+# one), and checkpoint.remove_checkpoint's ".removing-" (an old checkpoint being deleted).
+# Not ".old-": a run killed mid-swap may have only that copy.
+STAGING_MARKERS = (".staging-", ".saving-", ckpt.REMOVING_MARKER)
 
 logger = logging.getLogger(__name__)
 
@@ -131,22 +132,52 @@ def model_identity(model_path: str, model_config: Any) -> str:
     return f"config {config_hash[:16]}, weights {weights.hexdigest()[:16]}"
 
 
-def run_fingerprint(config: FinetuneConfig, lengths: Lengths, global_batch: int, base_model: str) -> dict[str, Any]:
+def run_fingerprint(config: FinetuneConfig, lengths: Lengths, global_batch: int, base_model: str, *,
+                    bf16: bool | None = None) -> dict[str, Any]:
     """Settings a resumed run must share with the run that wrote the checkpoint.
 
     Values are compared as meant, not as typed: the parsed method parameters, and the LoRA
     targets as a sorted list (None until the model resolves the default; see the trainer).
+    ``bf16``: whether the run trains in bf16 (``--bf16`` or the launcher's ``--mixed_precision bf16``),
+    recorded as ``precision``; default: the ``--bf16`` flag.
     """
     keys = ("method", "pose", "lora_rank", "lora_alpha", "lora_dropout", "train_embeddings", "train_norms",
             "max_steps", "learning_rate", "weight_decay", "warmup_steps", "lr_scheduler", "max_grad_norm", "seed",
-            "shuffle", "load_in_4bit", "bf16")
+            "shuffle", "load_in_4bit")
     fingerprint = {key: getattr(config, key) for key in keys}
+    # The precision the run trains in, not the flag: a launcher's --mixed_precision bf16 counts too.
+    fingerprint["precision"] = "bf16" if (config.bf16 if bf16 is None else bf16) else "fp32"
     fingerprint["method_params"] = config.parsed_method_params()
     fingerprint["lora_target_modules"] = sorted(set(config.lora_target_modules)) if config.lora_target_modules else None
     fingerprint["base_model"] = base_model
     fingerprint.update(asdict(lengths))
     fingerprint["global_batch"] = global_batch
     return fingerprint
+
+
+# What a resume refusal adds after a setting that no single flag sets.
+RESUME_HINTS = {
+    "global_batch": " (examples per step = processes x --per-device-batch-size x --gradient-accumulation-steps: keep "
+                    "the product, e.g. double --gradient-accumulation-steps when halving the processes)",
+    "precision": " (bf16 comes from --bf16 or from `accelerate launch --mixed_precision bf16`: resume with the one the "
+                 "run used)",
+}
+
+
+def _precision_of_older_record(saved: dict[str, Any], now: str) -> dict[str, Any]:
+    """A fingerprint written before the precision was recorded holds the ``--bf16`` flag only:
+    ``True`` means bf16; ``False`` may have been a launcher's bf16 as well, which cannot be told,
+    so the precision of this run is taken (with a warning when that is bf16)."""
+    flag_on = saved["bf16"]
+    saved = {key: value for key, value in saved.items() if key != "bf16"}
+    if flag_on is True:
+        saved["precision"] = "bf16"
+    elif flag_on is False:
+        saved["precision"] = now
+        if now == "bf16":
+            logger.warning("The checkpoint was written by an earlier version, which did not record whether the launcher "
+                           "trained in bf16: resuming in bf16; if that run trained in fp32, start afresh instead.")
+    return saved
 
 
 def check_resume_state(state: dict[str, Any], run: dict[str, Any], data: dict[str, Any], *, ignore: tuple[str, ...] = ()) -> None:
@@ -157,12 +188,16 @@ def check_resume_state(state: dict[str, Any], run: dict[str, Any], data: dict[st
             "base model, so a resume could not be checked. Start afresh in a new --output-dir (the checkpoint is left "
             "as it is)."
         )
-    for label, saved, now in (("settings", state.get("run"), run), ("training data", state.get("data"), data)):
+    saved_run = state.get("run")
+    if isinstance(saved_run, dict) and "precision" not in saved_run and "bf16" in saved_run and "precision" in run:
+        saved_run = _precision_of_older_record(saved_run, run["precision"])
+    for label, saved, now in (("settings", saved_run, run), ("training data", state.get("data"), data)):
         saved = {key: value for key, value in (saved or {}).items() if key not in ignore}
         now = {key: value for key, value in now.items() if key not in ignore}
         if saved != now:
             differing = sorted(key for key in set(saved) | set(now) if saved.get(key) != now.get(key))
-            details = ", ".join(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in differing[:6])
+            details = ", ".join(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}{RESUME_HINTS.get(key, '')}"
+                                for key in differing[:6])
             raise ValueError(
                 f"Cannot resume: the checkpoint was written with different {label} ({details}). "
                 "Resume with the same --model, arguments and data, or start a new --output-dir."

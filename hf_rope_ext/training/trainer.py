@@ -46,7 +46,7 @@ from . import checkpoint as ckpt
 from .config import SCHEDULERS, FinetuneConfig, Lengths, resolve_lengths
 from .environment import check_environment, make_accelerator
 from .lora import LoraSettings
-from .model import build_model, check_patch, load_adapter_model, merge_adapter
+from .model import build_model, check_lora_targets, check_patch, load_adapter_model, merge_adapter
 from .outputs import (
     LOG_FILE,
     SUMMARY_FILE,
@@ -200,6 +200,7 @@ def prepare_run(config: FinetuneConfig) -> TrainingRun:
     model_config = read_base_config(config.model, model_path)
     lengths = resolve_lengths(config, model_config)
     check_patch(config, lengths, model_config)
+    check_lora_targets(config, model_config)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     documents, names = load_documents(config, tokenizer)
     windows = PackedWindows(
@@ -215,7 +216,7 @@ def prepare_run(config: FinetuneConfig) -> TrainingRun:
     global_batch = config.per_device_batch_size * accelerator.num_processes * config.gradient_accumulation_steps
     if global_batch > len(windows):
         logger.warning("One step uses %d examples but there are only %d windows: examples repeat within a step.", global_batch, len(windows))
-    fingerprint = run_fingerprint(config, lengths, global_batch, model_identity(model_path, model_config))
+    fingerprint = run_fingerprint(config, lengths, global_batch, model_identity(model_path, model_config), bf16=bf16)
     resume_step = 0
     if resume_from is not None:
         state = ckpt.read_trainer_state(resume_from)
