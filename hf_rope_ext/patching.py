@@ -428,6 +428,17 @@ class _Target:
 def _rotary_target(model: nn.Module, function: str = "patch_model") -> _Target:
     """Unpatch ``model`` if needed, then find and check its rotary module."""
     if _patched_modules(model):
+        # A patched rotary module that peft's modules_to_save copied (patched before wrapping) could
+        # not be found again once unpatched (find_rotary_module refuses it): refuse before
+        # unpatching, so the model keeps its patch.
+        copied = [name for name, module in model.named_modules()
+                  if isinstance(module, ExtendedRotaryEmbedding) and "modules_to_save" in name]
+        if copied:
+            raise ValueError(
+                f"{function}: peft's modules_to_save holds this model's patched rotary module ({copied[0]}), so its "
+                "patch cannot be changed (it is kept); to use other settings, patch the model with them before "
+                "wrapping it with peft, or leave the rotary module out of modules_to_save."
+            )
         _unpatch(model, function)
     model_config = getattr(model, "config", None)
     if model_config is not None and getattr(model_config, "rope_parameters", None):
@@ -486,7 +497,6 @@ def _install(model: nn.Module, target: _Target, spec: PatchSpec, restoring: _Pat
         from .attention import check_attention_modules
 
         check_attention_modules(model, target.config, spec.label, target.model_type)
-        _check_every_config_reached(model, target.config, copies, spec.label)
     dropout = _attention_dropout(model, target.config) if attention_level else 0.0
     if dropout and model.training and not restoring:  # (a training forward refuses it anyway)
         raise ValueError(attention_dropout_message(spec.label, dropout))
@@ -607,55 +617,20 @@ def _attention_dropout(model: nn.Module, config: Any) -> float:
     return max((float(value) for value in values if is_real(value)), default=0.0)
 
 
-# Config fields that say how the model is run or where it came from, not what it computes with its
-# weights: a copy of the model's config may differ from it there (set after the copy was made).
-_RUNTIME_CONFIG_FIELDS = frozenset({
-    "_attn_implementation_internal", "_experts_implementation_internal", "_attn_implementation", "_name_or_path",
-    "_commit_hash", "_output_attentions", "output_attentions", "output_hidden_states", "return_dict", "use_cache",
-    "dtype", "torch_dtype", "transformers_version",
-})  # fmt: skip
-
-
-def _same_model_config(value: Any, config: Any) -> bool:
-    """Whether ``value`` is a copy of ``config`` (same class, same values outside the runtime fields)."""
-    if value is config or type(value) is not type(config):
-        return False
-    mine = {key: item for key, item in vars(value).items() if key not in _RUNTIME_CONFIG_FIELDS}
-    theirs = {key: item for key, item in vars(config).items() if key not in _RUNTIME_CONFIG_FIELDS}
-    try:
-        return bool(mine == theirs)
-    except Exception:  # a value without a plain equality (a tensor): not taken for a copy
-        return False
-
-
 def _config_copies(model: nn.Module, config: Any) -> list[tuple[nn.Module, str, Any]]:
-    """``(module, attribute, value)`` for each copy of the model's config ``config`` that a module
-    of ``model`` holds: peft's ``modules_to_save`` deep-copies a decoder layer, whose attention
-    then holds its own config object, and ``merge_and_unload`` keeps that copy."""
+    """``(module, attribute, value)`` for each config object of the model's config class, other than
+    ``config``, that a module of ``model`` holds: peft's ``modules_to_save`` deep-copies a decoder
+    layer, whose attention then holds its own config object, and ``merge_and_unload`` keeps that
+    copy. Such a copy belongs to the model (it is in its module tree) whatever its values: the user
+    may have edited ``model.config`` since (pad_token_id, resize_token_embeddings), so values are
+    not compared; each copy is pointed at the patched config and gets its own object back on unpatching."""
     return [
         (module, name, value)
         for module in model.modules()
         if not isinstance(module, ExtendedRotaryEmbedding)
         for name, value in list(vars(module).items())
-        if _same_model_config(value, config)
+        if value is not config and type(value) is type(config)
     ]
-
-
-def _check_every_config_reached(model: nn.Module, config: Any, copies: list, label: str) -> None:
-    """Refuse an attention-level patch when a module holds a config of the model's class that is
-    neither the model's nor a copy of it: its attention would not be routed through the patch."""
-    reached = {id(config)} | {id(value) for _, _, value in copies}
-    for name, module in model.named_modules():
-        if isinstance(module, ExtendedRotaryEmbedding):
-            continue
-        for attribute, value in vars(module).items():
-            if type(value) is type(config) and id(value) not in reached:
-                raise ValueError(
-                    f"{name or type(model).__name__}.{attribute} is a config object other than the model's, with other "
-                    f"values (a layer copied by peft's modules_to_save, then edited?), which the {label!r} attention "
-                    "patch would not reach; patch the model before wrapping it with peft, or give that module the "
-                    "model's config."
-                )
 
 
 def _restore_config_copies(model: nn.Module, rotary: ExtendedRotaryEmbedding) -> None:

@@ -218,6 +218,27 @@ def test_the_rotary_module_in_modules_to_save_of_a_static_patch_works_and_copies
         assert torch.equal(copied(ids).logits, reference(ids).logits)
 
 
+def test_a_refused_repatch_keeps_the_static_patch_of_a_rotary_module_in_modules_to_save():
+    # Patched before wrapping with the rotary module in modules_to_save: a re-patch or patched()
+    # block is refused, and the model keeps its patch (reference: a never-wrapped patched model).
+    from peft import get_peft_model
+
+    from hf_rope_ext.patching import patched
+
+    ids = random_ids(3 * L0)
+    reference = patch_model(make_model(), scale=4, method="yarn")
+    peft_model = get_peft_model(patch_model(make_model(), scale=4, method="yarn"), _lora(modules_to_save=["rotary_emb"]))
+    with pytest.raises(ValueError, match="modules_to_save holds this model's patched rotary module") as error:
+        patch_model(peft_model, scale=2, method="linear")
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="modules_to_save"):
+        with patched(peft_model, scale=2, method="yarn"):
+            pass
+    assert get_patch_info(peft_model).method == "yarn"
+    with torch.no_grad():
+        assert torch.equal(peft_model(ids).logits, reference(ids).logits)
+
+
 @pytest.mark.parametrize("method", ["yarn", "dynamic-yarn", "self-extend", "dual-chunk"])
 def test_a_copy_of_a_copy_of_a_patched_rotary_module(method):
     import copy
@@ -249,13 +270,50 @@ def test_peft_prefix_tuning_is_refused_naming_it(method):
     assert get_patch_info(wrapped) is None
 
 
-def test_an_edited_copy_of_the_config_is_refused_by_attention_level_patches():
+@pytest.mark.parametrize("edit", ["pad_token_id", "eos_token_id", "custom attribute", "resize_token_embeddings"])
+def test_an_edit_of_the_model_config_after_wrapping_with_modules_to_save_keeps_the_default_patch(edit):
+    # The modules_to_save copy of a layer keeps the config values of wrapping time; an ordinary
+    # edit of the model's config afterwards must not make the (default, attention-level) patch refuse.
     from peft import get_peft_model
 
+    def apply(model):
+        if edit == "pad_token_id":
+            model.config.pad_token_id = 2
+        elif edit == "eos_token_id":
+            model.config.eos_token_id = [2, 3]
+        elif edit == "custom attribute":
+            model.config.foo = 1
+        else:
+            torch.manual_seed(0)
+            model.resize_token_embeddings(model.config.vocab_size + 2)
+
+    ids = random_ids(3 * L0)
+    reference = make_model()  # never wrapped, edited the same way
+    apply(reference)
+    patch_model(reference, scale=4, method="self-extend-yarn")
+    never_patched = get_peft_model(make_model(), _lora(modules_to_save=["layers.1"]))
+    apply(never_patched.base_model.model)
     peft_model = get_peft_model(make_model(), _lora(modules_to_save=["layers.1"]))
-    _copied_layer(peft_model).self_attn.config.rms_norm_eps = 1e-3  # no longer a copy of the model's config
-    with pytest.raises(ValueError, match="config object other than the model's.*modules_to_save") as error:
-        patch_model(peft_model, scale=4, method="self-extend-yarn")
-    assert "\n" not in str(error.value)
-    assert get_patch_info(peft_model) is None
-    assert _copied_layer(peft_model).self_attn.config._attn_implementation == "eager"
+    apply(peft_model.base_model.model)
+    copied_config = _copied_layer(peft_model).self_attn.config
+    patch_model(peft_model, scale=4, method="self-extend-yarn")
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+        unpatch_model(peft_model)
+        assert _copied_layer(peft_model).self_attn.config is copied_config
+        assert copied_config._attn_implementation == "eager"
+        assert torch.equal(peft_model(ids).logits, never_patched(ids).logits)
+
+
+def test_two_models_of_one_config_class_are_patched_apart():
+    # A config of the same class held by another model is not this model's: patching one leaves
+    # the other (and its config) as it was.
+    ids = random_ids(3 * L0)
+    reference = patch_model(make_model(), scale=4, method="self-extend-yarn")
+    first, second = make_model(), make_model()
+    plain = second(ids).logits.detach()
+    patch_model(first, scale=4, method="self-extend-yarn")
+    with torch.no_grad():
+        torch.testing.assert_close(first(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+        assert torch.equal(second(ids).logits, plain)
+    assert second.config._attn_implementation == "eager"
