@@ -15,6 +15,9 @@ import traceback
 
 import pytest
 import torch
+import transformers
+from packaging import version
+from transformers import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -128,10 +131,9 @@ def reference_logits_at(model, ids, positions, position_fn, logn=False, theta=No
     """:func:`reference_logits` with explicit position ids (``position_fn`` then works on indices);
     ``theta`` are the frequencies the model's rotary module uses (default: plain RoPE);
     ``attentions``: return the per-layer attention weights too."""
-    rope = model.config.rope_parameters
-    head_dim = model.model.layers[0].self_attn.head_dim
     if theta is None:
-        theta = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        head_dim = model.model.layers[0].self_attn.head_dim
+        theta = 1.0 / model.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     name = "test_naive_reference"
     AttentionInterface.register(name, naive_attention_factory(position_fn, theta, logn, window))
     AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping["sdpa"])
@@ -1706,8 +1708,14 @@ def _tiny_model(model_type: str, attn_implementation: str = "eager", **overrides
     return strengthen_weights(AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)).eval()
 
 
+# Falcon's attention picked its kernel by name up to transformers 5.24; from 5.25 it calls the registry.
+FALCON_CALLS_THE_REGISTRY = version.parse(transformers.__version__).release >= (5, 25)
+FALCON = {"new_decoder_architecture": True, "num_kv_heads": 2}
+
+
 @pytest.mark.parametrize("model_type, implementations, overrides", [
-    ("falcon", ("eager", "sdpa"), {"new_decoder_architecture": True, "num_kv_heads": 2}),  # picks by name itself
+    pytest.param("falcon", ("eager", "sdpa"), FALCON, marks=pytest.mark.skipif(  # picks by name itself
+        FALCON_CALLS_THE_REGISTRY, reason="transformers >= 5.25: falcon calls the registry (the test below)")),
     ("gpt_neox_japanese", ("eager",), {}),  # computes its own attention (transformers refuses sdpa for it)
 ])
 @pytest.mark.parametrize("method", ["self-extend-yarn", "dual-chunk", "yarn+logn"])
@@ -1723,6 +1731,37 @@ def test_attention_level_methods_refuse_models_whose_attention_bypasses_the_regi
         assert get_patch_info(model) is None
         patch_model(model, scale=4, method="yarn")
         unpatch_model(model)
+
+
+@pytest.mark.skipif(not FALCON_CALLS_THE_REGISTRY, reason="falcon calls transformers' registry from 5.25 on")
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_falcon_calling_the_registry_matches_the_papers_positions_and_the_cache(implementation):
+    """From transformers 5.25 Falcon's attention goes through the registry: the attention-level
+    methods then patch it, match the papers' position maps (float64 reference), continue a KV
+    cache as full forwards do, and unpatch bitwise."""
+    model = _tiny_model("falcon", implementation, **FALCON)
+    ids = random_ids(LENGTH)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    theta = 1.0 / model.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    with torch.no_grad():
+        plain = model(ids).logits
+    for case, (params, position_fn) in PAPER_CASES.items():
+        expected = reference_logits_at(model, ids, None, position_fn, theta=theta)
+        assert (plain[:, L0:] - expected[:, L0:]).abs().max() > 1e-3  # the remap changes the output beyond L0
+        patch_model(model, scale=4, method=case.split()[0], **params)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, expected, atol=2e-5, rtol=1e-4)
+        unpatch_model(model)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, plain)
+    patch_model(model, scale=4)  # the default, length-dependent: each step equals a full forward of its prefix
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids[:, : L0 - 3], past_key_values=cache)
+        for position in range(L0 - 3, LENGTH):
+            step = model(ids[:, position : position + 1], past_key_values=cache).logits[:, -1]
+            if position % 9 == 0 or position == LENGTH - 1:
+                torch.testing.assert_close(step, model(ids[:, : position + 1]).logits[:, -1], atol=2e-6, rtol=0)
 
 
 def test_attention_level_methods_refuse_logit_softcapping_and_keep_each_familys_own_eager_kernel():
