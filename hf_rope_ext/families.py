@@ -9,6 +9,7 @@ the error names the model type and the cause.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class FamilyInfo:
     # Whether the family's rotary module rotates head_dim * partial_rotary_factor dimensions.
     # transformers' Llama-style modules ignore the factor and rotate the whole head.
     partial_rotary: bool = False
+    # A boolean config field that, when true, gives the model another position scheme: its rotary
+    # module is then built but never used (Falcon's `alibi`), so there is nothing to extend.
+    rope_off_when: str | None = None
 
 
 FAMILIES: dict[str, FamilyInfo] = {
@@ -36,6 +40,8 @@ FAMILIES: dict[str, FamilyInfo] = {
     "stablelm": FamilyInfo(True, tested=True, note="partial rotary dimension (partial_rotary_factor)", partial_rotary=True),
     "gpt_neox": FamilyInfo(True, tested=True, note="partial rotary dimension (rotary_pct)", partial_rotary=True),
     "phi3": FamilyInfo(True, tested=True, note="its config accepts only rope_type longrope", partial_rotary=True),
+    # Works when the config uses RoPE; not in tests' family grid (fused qkv, `transformer.h` layers).
+    "falcon": FamilyInfo(True, note="ALiBi attention biases instead of RoPE", rope_off_when="alibi"),
     # Known not to fit.
     "gpt2": FamilyInfo(False, note="learned absolute position embeddings, no RoPE"),
     "gpt_neo": FamilyInfo(False, note="learned absolute position embeddings, no RoPE"),
@@ -70,11 +76,18 @@ def tested_families() -> list[str]:
     return [name for name, info in FAMILIES.items() if info.tested]
 
 
-def check_supported(model_type: str | None) -> None:
-    """Refuse a model type known not to work (its note says why); one message for every entry point."""
+def check_supported(model_type: str | None, config: Any = None) -> None:
+    """Refuse a model type known not to work (its note says why), or a ``config`` of a known family
+    set to a position scheme other than RoPE; one message for every entry point."""
     info = family_info(model_type)
     if info is not None and not info.supported:
         raise ValueError(
             f"model_type {model_type!r} is not supported: {info.note}. hf_rope_ext works on RoPE models "
             f"with a shared rotary module, such as {', '.join(tested_families())}."
+        )
+    if info is not None and info.rope_off_when and getattr(config, info.rope_off_when, False) is True:
+        raise ValueError(
+            f"model_type {model_type!r} with {info.rope_off_when}=True is not supported: its config uses {info.note}, "
+            "so its rotary module is never called and there is nothing to extend; hf_rope_ext patches models that "
+            f"use RoPE ({info.rope_off_when}=False)."
         )

@@ -113,7 +113,7 @@ def find_rotary_module(model: nn.Module) -> tuple[str, nn.Module]:
     """
     _check_is_model(model, "patch_model")
     model_type = _model_type(model)
-    check_supported(model_type)
+    check_supported(model_type, getattr(model, "config", None))
     candidates = [
         (name, module)
         for name, module in model.named_modules()

@@ -197,7 +197,7 @@ def _patch_of(
         return source, None
     config = getattr(source, "config", source) if isinstance(source, nn.Module) else source
     model_type = getattr(config, "model_type", None)
-    check_supported(model_type)  # what patch_model refuses, with its message
+    check_supported(model_type, config)  # what patch_model refuses, with its message
     if not hasattr(config, "rope_parameters"):
         raise TypeError(
             "runtime_settings expects a model, a transformers config or describe_patch(...), got "

@@ -520,6 +520,34 @@ def test_unsupported_layouts_name_the_model_type(model_type, message):
         patch_model(_tiny(model_type), scale=4)
 
 
+@pytest.mark.parametrize("method", ["yarn", "dynamic-yarn", "self-extend"])
+def test_a_falcon_config_with_alibi_is_refused_and_one_with_rope_is_patched(method):
+    """Falcon builds a rotary module whatever its config says; with alibi=True no layer calls it, so
+    a frequency patch changed nothing (logits bitwise the unpatched model's) and an attention-level
+    one rotated queries and keys of a model that has no RoPE. Both are refused before any change."""
+    from hf_rope_ext.runtimes import runtime_settings
+
+    torch.manual_seed(0)
+    alibi = strengthen_weights(_tiny("falcon", alibi=True, pad_token_id=0))
+    ids = random_ids(3 * L0)
+    with torch.no_grad():
+        plain = alibi(ids).logits
+    before = alibi.config.to_dict()
+    with pytest.raises(ValueError, match=r"model_type 'falcon' with alibi=True is not supported: .*ALiBi") as error:
+        patch_model(alibi, scale=4, method=method)
+    assert "\n" not in str(error.value)
+    assert get_patch_info(alibi) is None and alibi.config.to_dict() == before
+    with torch.no_grad():
+        assert torch.equal(alibi(ids).logits, plain)
+    with pytest.raises(ValueError, match="with alibi=True is not supported"):
+        runtime_settings(alibi.config, "yarn", 4)
+    rope = strengthen_weights(_tiny("falcon", alibi=False, pad_token_id=0))
+    with torch.no_grad():
+        unpatched = rope(ids).logits
+        patch_model(rope, scale=4, method="yarn")
+        assert (rope(ids).logits - unpatched).abs().max() > 1e-3  # RoPE is used: the patch changes the output
+
+
 # -- PatchSpec: the one patch type -------------------------------------------------------------------
 
 
