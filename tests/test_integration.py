@@ -146,6 +146,16 @@ def _copied_layer(peft_model):
     return peft_model.base_model.model.model.layers[1].modules_to_save["default"]
 
 
+def _check_patched_then_unpatched(peft_model, reference, never_patched, copied_config, ids):
+    """The patched peft model gives the reference's logits; unpatched, its copied layer holds its
+    own config object again, reading as the original, and it is the never-patched model bitwise."""
+    torch.testing.assert_close(peft_model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+    unpatch_model(peft_model)
+    assert _copied_layer(peft_model).self_attn.config is copied_config
+    assert copied_config._attn_implementation == "eager"
+    assert torch.equal(peft_model(ids).logits, never_patched(ids).logits)
+
+
 @pytest.mark.parametrize("method", ["self-extend-yarn", "dual-chunk"])
 @pytest.mark.parametrize("order", ["peft-then-patch", "patch-then-peft"])
 def test_a_decoder_layer_in_modules_to_save_is_patched_unpatched_and_repatched(order, method):
@@ -162,12 +172,7 @@ def test_a_decoder_layer_in_modules_to_save_is_patched_unpatched_and_repatched(o
     if order == "peft-then-patch":
         patch_model(peft_model, scale=4, method=method)
     with torch.no_grad():
-        torch.testing.assert_close(peft_model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
-        unpatch_model(peft_model)
-        # the copied layer holds its own config object again, reading as the original
-        assert _copied_layer(peft_model).self_attn.config is copied_config
-        assert copied_config._attn_implementation == "eager"
-        assert torch.equal(peft_model(ids).logits, never_patched(ids).logits)
+        _check_patched_then_unpatched(peft_model, reference, never_patched, copied_config, ids)
         other = "dual-chunk" if method != "dual-chunk" else "self-extend-yarn"
         patch_model(peft_model, scale=4, method=other)
         patch_model(reference, scale=4, method=other)
@@ -298,11 +303,7 @@ def test_an_edit_of_the_model_config_after_wrapping_with_modules_to_save_keeps_t
     copied_config = _copied_layer(peft_model).self_attn.config
     patch_model(peft_model, scale=4, method="self-extend-yarn")
     with torch.no_grad():
-        torch.testing.assert_close(peft_model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
-        unpatch_model(peft_model)
-        assert _copied_layer(peft_model).self_attn.config is copied_config
-        assert copied_config._attn_implementation == "eager"
-        assert torch.equal(peft_model(ids).logits, never_patched(ids).logits)
+        _check_patched_then_unpatched(peft_model, reference, never_patched, copied_config, ids)
 
 
 def test_two_models_of_one_config_class_are_patched_apart():
