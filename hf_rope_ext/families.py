@@ -85,9 +85,10 @@ def check_supported(model_type: str | None, config: Any = None) -> None:
             f"model_type {model_type!r} is not supported: {info.note}. hf_rope_ext works on RoPE models "
             f"with a shared rotary module, such as {', '.join(tested_families())}."
         )
-    if info is not None and info.rope_off_when and getattr(config, info.rope_off_when, False) is True:
+    flag = info.rope_off_when if info is not None else None
+    if flag and getattr(config, flag, False):  # read by truth, as the model's forward reads it
         raise ValueError(
-            f"model_type {model_type!r} with {info.rope_off_when}=True is not supported: its config uses {info.note}, "
-            "so its rotary module is never called and there is nothing to extend; hf_rope_ext patches models that "
-            f"use RoPE ({info.rope_off_when}=False)."
+            f"model_type {model_type!r} with {flag}={getattr(config, flag)!r} is not supported: its config uses "
+            f"{info.note}, so its rotary module is never called and there is nothing to extend; hf_rope_ext "
+            f"patches models that use RoPE ({flag}=False)."
         )
