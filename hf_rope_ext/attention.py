@@ -445,16 +445,24 @@ def self_extend_remap(params: Mapping[str, Any], method: str = "self-extend") ->
         group = _whole_number(group, "group_size", method)
         if group < 2:
             raise ValueError(f"{method}: group_size must be at least 2 (1 would not group anything), got {group}.")
+        if group > target:  # every far key is at position 0 from G = target on; larger ones overflow int64
+            raise ValueError(
+                f"{method}: group_size must be at most the extended context ({target} tokens), got {group}; from "
+                f"{target} on every far token shares one position (or leave group_size unset: each query then takes "
+                "the smallest that fits)."
+            )
     far = params.get("far_positions", "grouped")
     if far not in FAR_POSITIONS:
         raise ValueError(f"{method}: far_positions must be one of {FAR_POSITIONS}, got {far!r}.")
     remap = SelfExtendRemap(group, window, original, far)
     if remap.max_distance(target) >= original:
-        needed = math.ceil((target - window) / (original - window)) + 1
+        # the smallest G that fits the farthest query (a larger one may not: floor(i/G) - floor(W/G) is not monotone in G)
+        needed = SelfExtendRemap(None, window, original, far).group_for(target - 1)
         raise ValueError(
             f"{method}: group_size={group} with neighbor_window={window} reaches distance "
-            f"{remap.max_distance(target)} at {target} tokens, beyond the trained {original}; use group_size >= {needed} "
-            "or a smaller neighbor_window (or leave group_size unset: each query then takes the smallest that fits)."
+            f"{remap.max_distance(target)} at {target} tokens, beyond the trained {original}; the smallest group_size "
+            f"that fits is {needed}; or use a smaller neighbor_window (or leave group_size unset: each query then takes "
+            "the smallest that fits)."
         )
     return remap
 
@@ -1399,6 +1407,7 @@ class AttentionPatch:
     key_rotations_below_settle: KeyRotationTables = field(default_factory=KeyRotationTables)
     positions_memo: _PositionMemo = field(default_factory=_PositionMemo)
     warned_no_weights: bool = False
+    warned_untrained_distance: bool = False
     # forwards of the patched model under way, per thread (a hook may run one inside another);
     # another thread's forward meanwhile is refused: the state above belongs to one forward
     forward_threads: ForwardThreads = field(default_factory=ForwardThreads)
@@ -1546,6 +1555,8 @@ class AttentionPatch:
             return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if dropout and module.training:
             raise ValueError("attention-level methods do not support attention dropout during training; set it to 0.")
+        if remap is not None and not self.warned_untrained_distance:
+            self._warn_if_untrained_distance(remap, memo.max_position + 1)
         if attention_mask is None:
             # Without a mask the kernels tell earlier keys from later ones by position (a mask
             # would say it by slot): a repeated or decreasing position would let a token see later ones.
@@ -1628,6 +1639,23 @@ class AttentionPatch:
             inv_freq=inv_freq, scaling=scaling, logn_length=self.original_length if self.logn else None,
             max_distance=max_distance,
         )
+
+    def _warn_if_untrained_distance(self, remap: PositionRemap, length: int) -> None:
+        """Warn once per patch when a sequence is longer than the remap covers: a fixed
+        ``group_size`` keeps distances inside ``L0`` only up to the extended context it was checked for."""
+        try:
+            farthest = remap.max_distance(length)
+        except NotImplementedError:  # a registered remap that does not say
+            return
+        if farthest >= self.original_length:
+            self.warned_untrained_distance = True
+            group = getattr(remap, "group_size", None)
+            what = f"self-extend with group_size={group}" if group is not None else type(remap).__name__
+            logger.warning(
+                "%s: a sequence of %d tokens reaches relative distance %d, beyond the trained %d (its parameters were "
+                "checked for the patch's extended context only); patch again with a larger scale%s.",
+                what, length, farthest, self.original_length, ", or leave group_size unset" if group is not None else "",
+            )
 
     def _warn_no_weights(self) -> None:
         if not self.warned_no_weights:  # once per patch, not once per layer

@@ -178,6 +178,14 @@ def _check_params_belong_to(method: RopeMethod, params: Mapping[str, Any]) -> No
             )
 
 
+def _check_position_remaps(method: RopeMethod, resolved: Mapping[str, Any]) -> None:
+    """Run an attention-level method's own checks (group_size, neighbor_window, chunk_size ...
+    against the original and extended contexts), which need the scale that resolve_params lacks."""
+    for make_remap in (method.attention, method.attention_below_settle):
+        if make_remap is not None:
+            make_remap(resolved)
+
+
 class RecordError(ValueError):
     """A patch record (``config.hf_rope_ext``, ``rope_patch.json``) that cannot be read; ``problem``
     completes the sentence "the record ..."."""
@@ -272,6 +280,7 @@ class PatchSpec:
             raise TypeError(f"params must be a mapping of the method's parameters, got {type(self.params).__name__}.")
         _check_params_belong_to(rope_method, self.params)
         set_field(self, "params", resolve_params(rope_method, self.rotary_dim, self.params))
+        _check_position_remaps(rope_method, self.resolved_params())
         if rope_method.length_dependent:
             set_field(self, "steps_per_doubling", check_steps(self.steps_per_doubling))
             if self.steps_per_doubling is not None and rope_method.attention_below_settle is not None:
@@ -524,6 +533,10 @@ class PatchSpec:
             raise RecordError(f"has steps_per_doubling={steps!r}, but {method.name!r} is a static method.", source)
         try:
             params = resolve_params(method, rotary_dim, record["params"])
+        except (TypeError, ValueError) as error:
+            raise RecordError(f"has parameters method {method.name!r} does not accept: {error}", source) from None
+        try:
+            _check_position_remaps(method, {**params, "factor": float(scale), "original_max_position_embeddings": original})
         except (TypeError, ValueError) as error:
             raise RecordError(f"has parameters method {method.name!r} does not accept: {error}", source) from None
         return cls(method.name, float(scale), original, params, steps, logn, float(base), rotary_dim, dict(kept or {}),

@@ -787,7 +787,11 @@ def test_cut_query_chunks_give_the_unchunked_result():
         ("self-extend", {"neighbor_window": L0}, "neighbor_window must be between 1"),
         ("self-extend", {"neighbor_window": 0}, "neighbor_window must be between 1"),
         ("self-extend", {"neighbor_window": 4.5}, "whole number"),
-        ("self-extend", {"group_size": 2, "neighbor_window": 16}, "use group_size >="),
+        ("self-extend", {"group_size": 2, "neighbor_window": 16}, "the smallest group_size that fits is"),
+        # above the extended context (4 x 32 = 128) every far key shares position 0; 10**30 overflowed int64
+        ("self-extend", {"group_size": 4 * L0 + 1}, "group_size must be at most the extended context \\(128"),
+        ("self-extend", {"group_size": 10**30}, "group_size must be at most the extended context"),
+        ("self-extend", {"group_size": 1e300}, "group_size must be at most the extended context"),
         ("self-extend", {"group_size": "4"}, "whole number"),
         ("self-extend", {"window": 8}, "accepts: group_size, neighbor_window"),
         ("self-extend", {"far_positions": "yarn"}, "far_positions must be one of"),
@@ -808,6 +812,85 @@ def test_bad_parameters_are_refused_and_the_model_is_untouched(method, params, m
     assert model.config._attn_implementation == "sdpa"
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+def _smallest_fitting_group(original: int, window: int, target: int) -> int | None:
+    """The paper's bound, by brute force: the smallest G whose farthest grouped distance,
+    max over queries i < target of floor(i / G) + W - floor(W / G), stays below L0."""
+    for group in range(2, target + 1):
+        if all(i // group + window - window // group < original for i in range(original, target)):
+            return group
+    return None
+
+
+@pytest.mark.parametrize("original, window, scale", [(64, 52, 4), (64, 60, 4), (64, 63, 4), (32, 6, 4), (17, 9, 3.5),
+                                                      (32, 16, 4), (64, 8, 8)])
+def test_a_too_small_group_size_is_refused_with_the_smallest_one_that_fits(original, window, scale):
+    """The hint used to be ceil((T - W) / (L0 - W)) + 1, which ignores floor(W / G): following it
+    gave the same error again (W=52 on 64 tokens x4: 18, refused) or a larger G than needed."""
+    from hf_rope_ext import PatchSpec
+
+    target = round(original * scale)
+    needed = _smallest_fitting_group(original, window, target)
+    assert needed is not None and needed > 2
+    with pytest.raises(ValueError, match=f"reaches distance .* the smallest group_size that fits is {needed};"):
+        PatchSpec("self-extend", scale, original, {"group_size": needed - 1, "neighbor_window": window})
+    spec = PatchSpec("self-extend", scale, original, {"group_size": needed, "neighbor_window": window})
+    assert spec.params["group_size"] == needed
+
+
+def test_a_patch_spec_made_directly_checks_the_attention_level_parameters():
+    """PatchSpec(...), dataclasses.replace and from_record refuse what patch_model refuses, when made:
+    they used to be refused only when applied to a model."""
+    import dataclasses
+
+    from hf_rope_ext import PatchSpec
+    from hf_rope_ext.spec import RecordError
+
+    bad = [("self-extend", {"group_size": 0}, "group_size must be at least 2"),
+           ("self-extend", {"far_positions": "bogus"}, "far_positions must be one of"),
+           ("self-extend", {"group_size": 10**30}, "at most the extended context"),
+           ("dual-chunk", {"chunk_size": L0}, "chunk_size \\+ local_window <"),
+           ("self-extend-yarn", {"neighbor_window": L0}, "neighbor_window must be between 1"),
+           ("self-extend-dca", {"chunk_size": L0}, "chunk_size \\+ local_window <")]
+    for method, params, message in bad:
+        with pytest.raises(ValueError, match=message):
+            PatchSpec(method, 4, L0, params)
+        with pytest.raises(ValueError, match=message):
+            PatchSpec.create(method, 4, original_max_length=L0, **params)
+    spec = PatchSpec("self-extend", 4, L0, {"group_size": 8}, original_rope_theta=10000.0)
+    with pytest.raises(ValueError, match="group_size must be at least 2"):
+        dataclasses.replace(spec, params={**spec.params, "group_size": 1})
+    # group 8 covers 4 x 32 tokens (127 // 8 + 16 - 2 = 29 < 32), not 16 x 32 (511 // 8 + 14 = 77)
+    with pytest.raises(ValueError, match="reaches distance 77 at 512 tokens"):
+        dataclasses.replace(spec, scale=16)
+    record = spec.to_record()
+    record["params"]["group_size"] = 0
+    with pytest.raises(RecordError, match="rope_patch.json has parameters method 'self-extend' does not accept: .*at least 2"):
+        PatchSpec.from_record(record, source="rope_patch.json")
+
+
+def test_a_fixed_group_size_warns_once_when_a_sequence_outgrows_it(caplog):
+    """A fixed group keeps distances inside L0 up to the extended context it was checked for;
+    a longer sequence reaches untrained distances: say so, once per patch."""
+    model = make_model("llama", attn_implementation="sdpa")
+    patch_model(model, scale=4, method="self-extend", group_size=8, neighbor_window=8)
+    with caplog.at_level("WARNING", logger="hf_rope_ext.attention"), torch.no_grad():
+        model(random_ids(4 * L0))  # 127 // 8 + 8 - 1 = 22: inside
+        assert "beyond the trained" not in caplog.text
+        model(random_ids(300))
+        model(random_ids(300))
+    farthest = 299 // 8 + 8 - 8 // 8  # the paper's grouped distance of the last query to key 0
+    assert farthest >= L0
+    messages = [r.getMessage() for r in caplog.records if "beyond the trained" in r.getMessage()]
+    assert messages == [f"self-extend with group_size=8: a sequence of 300 tokens reaches relative distance {farthest}, "
+                        f"beyond the trained {L0} (its parameters were checked for the patch's extended context only); "
+                        "patch again with a larger scale, or leave group_size unset."]
+    caplog.clear()
+    patch_model(model, scale=4, method="self-extend")  # a group per query: fits at any length
+    with caplog.at_level("WARNING", logger="hf_rope_ext.attention"), torch.no_grad():
+        model(random_ids(600))
+    assert "beyond the trained" not in caplog.text
 
 
 def test_logn_attention_must_be_a_bool():
