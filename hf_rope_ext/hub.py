@@ -69,9 +69,12 @@ __all__ = [
 # Weight files a previous save may have left in the target folder (shard counts change), in
 # any format transformers or peft would load from it: an adapter left beside full weights is
 # attached again by from_pretrained, and pickled weights are read when safetensors are absent.
+# A ``variant=`` save names them ``model.<variant>.safetensors``, ``model.<variant>-00001-of-00002
+# .safetensors`` and ``model.safetensors.index.<variant>.json`` (transformers' _add_variant): an old
+# variant left beside the new weights would load with the new config under that variant.
 _WEIGHT_FILES = re.compile(
-    r"^(model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?"
-    r"|pytorch_model(-\d{5}-of-\d{5})?\.bin(\.index\.json)?"
+    r"^(model(\.[^/]+)?(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index(\.[^/]+)?\.json"
+    r"|pytorch_model(\.[^/]+)?(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index(\.[^/]+)?\.json"
     r"|adapter_config\.json|adapter_model\.(safetensors|bin))$"
 )
 # The same files as patterns for the Hub (fnmatch): a push deletes those an earlier push left,
@@ -79,7 +82,9 @@ _WEIGHT_FILES = re.compile(
 # a shard index (an old single file would load in place of new shards).
 _WEIGHT_PATTERNS = [
     "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
+    "model.*.safetensors", "model.safetensors.index.*.json",  # variants (model.*-00001-of-00002.safetensors too)
     "pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json",
+    "pytorch_model.*.bin", "pytorch_model.bin.index.*.json",
     "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
 ]  # fmt: skip
 _CARD = "README.md"

@@ -380,9 +380,10 @@ def _unsupported(patch: PatchSpec, runtime: str) -> RuntimeCommand:
 
 _ATTENTION_NOTES = {
     "vllm": (
-        "vLLM has no {name} attention for this architecture (its dual-chunk attention backend is tied to Qwen2 "
-        "models with dual_chunk_attention_config); serve the base model within its original context, or use a "
-        "frequency method (yarn)."
+        "vLLM has no {name} attention setting for this checkpoint (its dual-chunk attention backend serves only "
+        "Qwen2 checkpoints that carry Qwen's own dual_chunk_attention_config, which hf_rope_ext does not write, and "
+        "was not run here with this patch's positions); serve the base model within its original context, or use a frequency "
+        "method (yarn)."
     ),
     "llama.cpp": "llama.cpp has no {name} attention setting for converted checkpoints.",
 }
@@ -813,17 +814,32 @@ def llama_cpp_self_extend(patch: PatchSpec, model_type: str | None = None) -> Ru
         "with llama_memory_seq_div, and llama_kv_cells::pos_div records the key shift of that division with the "
         "wrong sign (p_old - p_new; pos_add records p_new - p_old), so regrouped keys are rotated away from their "
         "new positions. Measured with llama.cpp 0c1e570 (llama-cpp-python 0.3.36) on SmolLM2-135M, 12,288 tokens: "
-        "perplexity 745 at 4k-8k and 5391 beyond 8k, against 24.4 and 32.8 for this patch."
+        "perplexity 745 at 4k-8k and 5391 beyond 8k, against 24.4 and 32.8 for self-extend with its default "
+        "parameters in transformers."
     )
     differs = (
         "The flags above are for a llama.cpp whose pos_div records p_new - p_old. Its scheme still differs from "
         f"this patch: one group factor and a width that must be a multiple of it ({width} here; the patch's "
         f"neighbour window is {remap.neighbor_window}), cached positions regrouped block by block during "
         "decoding instead of per query. With the sign fixed, llama.cpp read the same tokens at 24.67 (4k-8k) and "
-        "33.91 (beyond 8k) on SmolLM2's Q4_1 file, 1.0% and 3.4% above this patch; the scheme itself, redone in "
-        "transformers on the same weights as the patch, is 0.6% and 2.7% above it."
+        "33.91 (beyond 8k) on SmolLM2's Q4_1 file, 1.0% and 3.4% above self-extend with its default parameters; "
+        "the scheme itself, redone in transformers on the same weights, is 0.6% and 2.7% above it."
     )
-    return RuntimeCommand("llama.cpp", "unsupported", args, {}, (broken, differs))
+    notes = [broken, differs]
+    # What the flags leave out: they run the trained frequencies with floor-grouped far positions.
+    frequencies = patch.params.get("frequencies")
+    if frequencies is not None:
+        scale = patch.params.get("frequencies_scale") or patch.scale
+        notes.append(
+            f"This patch rotates with {frequencies} x{scale:g} frequencies (frequencies={frequencies!r}); the flags "
+            "above keep the trained ones, and llama.cpp's grouped attention has no setting for both together."
+        )
+    if patch.params.get("far_positions") == "by-parts":
+        notes.append(
+            "This patch places far keys by YaRN's NTK-by-parts split (far_positions='by-parts': fast dimensions keep "
+            "their true distance); llama.cpp's grouped attention floor-divides every dimension's position."
+        )
+    return RuntimeCommand("llama.cpp", "unsupported", args, {}, tuple(notes))
 
 
 def llama_cpp_dual_chunk(patch: PatchSpec, model_type: str | None = None) -> RuntimeCommand:

@@ -529,6 +529,11 @@ class PatchSpec:
         if method.length_dependent:
             if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
                 raise RecordError(f"has steps_per_doubling={steps!r}; it must be a positive integer or null.", source)
+            if steps is not None and method.attention_below_settle is not None:
+                raise RecordError(
+                    f"has steps_per_doubling={steps!r}, but {method.name!r} changes its frequencies only once (at "
+                    "frequencies_scale x the original context); hf_rope_ext writes null there.", source
+                )
         elif steps is not None:
             raise RecordError(f"has steps_per_doubling={steps!r}, but {method.name!r} is a static method.", source)
         try:

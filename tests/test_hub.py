@@ -313,6 +313,12 @@ def _edit_config(folder: Path, edit) -> None:
         ),
         ("yarn", lambda c: c["hf_rope_ext"].update(method="yarnn"), r"method 'yarnn', which is not registered"),
         ("dynamic", lambda c: c["hf_rope_ext"].update(steps_per_doubling=0), r"steps_per_doubling=0"),
+        # refused by the spec with patch_model's advice, naming neither the file nor the record
+        ("self-extend-yarn", lambda c: c["hf_rope_ext"].update(steps_per_doubling=4),
+         r"`hf_rope_ext` entry of config.json has steps_per_doubling=4, but 'self-extend-yarn' changes its frequencies "
+         r"only once .* restore the config.json"),
+        ("self-extend-dca", lambda c: c["hf_rope_ext"].update(steps_per_doubling=4),
+         r"`hf_rope_ext` entry of config.json has steps_per_doubling=4, but 'self-extend-dca'"),
     ],
 )
 def test_contradictory_config_is_refused(tmp_path, method, edit, message):
@@ -886,6 +892,14 @@ def test_runtime_messages_for_what_cannot_be_expressed():
         assert self_extend.llama_cpp.status == "unsupported" and self_extend.vllm.status == "unsupported"
         assert "pos_div" in self_extend.llama_cpp.notes[0]
         assert flags["--grp-attn-n"] == str(params.get("group_size", 8)) and flags["--ctx-size"] == str(4 * L0)
+        assert not any("This patch" in note for note in self_extend.llama_cpp.notes)
+    # The flags run the trained frequencies with floor grouping: what else the patch does is named.
+    on_yarn = runtime_settings(qwen, "self-extend", 4, frequencies="linear", frequencies_scale=2.0).llama_cpp.notes
+    assert any("linear x2 frequencies (frequencies='linear')" in note for note in on_yarn), on_yarn
+    by_parts = runtime_settings(qwen, "self-extend", 4, far_positions="by-parts").llama_cpp.notes
+    assert any("far_positions='by-parts'" in note for note in by_parts), by_parts
+    dual_chunk = runtime_settings(qwen, "dual-chunk", 4).vllm.notes[0]
+    assert "for this architecture" not in dual_chunk and "dual_chunk_attention_config" in dual_chunk
     # a patched config answers without method/scale; an unpatched one needs them
     with pytest.raises(ValueError, match="give method= and scale="):
         runtime_settings(qwen)
@@ -1533,8 +1547,39 @@ def test_push_over_an_earlier_push_serves_the_new_weights(tmp_path):
     for name in ("model.safetensors", "model-00002-of-00014.safetensors", "model.safetensors.index.json",
                  "pytorch_model.bin", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json",
                  "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "config.json",
-                 "README.md", "tokenizer.json", "training_args.bin"):  # fmt: skip
+                 "README.md", "tokenizer.json", "training_args.bin", "model.fp32.safetensors",
+                 "model.fp32-00001-of-00004.safetensors", "model.safetensors.index.fp32.json",
+                 "pytorch_model.fp16.bin", "pytorch_model.fp16-00001-of-00002.bin",
+                 "pytorch_model.bin.index.fp16.json", "models.safetensors", "model.safetensors.json"):  # fmt: skip
         assert bool(_WEIGHT_FILES.match(name)) == any(fnmatch(name, pattern) for pattern in _WEIGHT_PATTERNS), name
+    # variant= weights (transformers' _add_variant) are weights too: a push with one left them on the Hub
+    for name in ("model.fp32.safetensors", "model.fp32-00001-of-00004.safetensors", "model.safetensors.index.fp32.json",
+                 "pytorch_model.fp16.bin", "pytorch_model.bin.index.fp16.json"):  # fmt: skip
+        assert _WEIGHT_FILES.match(name), name
+
+
+def test_a_save_with_a_variant_removes_the_weights_of_an_earlier_variant_save(tmp_path):
+    """variant= names weights model.<variant>.safetensors (shards model.<variant>-00001-of-...,
+    index model.safetensors.index.<variant>.json): they were left in place, and a load with that
+    variant paired the new config with the old weights."""
+    target = tmp_path / "ckpt"
+    first, second = make_model("llama", seed=1), make_model("llama", seed=2)
+    _patch(first, "yarn", scale=2)
+    _patch(second, "self-extend-yarn", scale=4)
+    save_patched(first, target, variant="v1")
+    assert (target / "model.v1.safetensors").exists()
+    save_patched(second, target, variant="v2")
+    assert sorted(path.name for path in target.glob("model*")) == ["model.v2.safetensors"]
+    with pytest.raises(OSError, match="model.v1.safetensors"):
+        load_patched(target, variant="v1")
+    save_patched(first, target, variant="v2")  # the same variant, now sharded
+    save_patched(second, target, variant="v2", max_shard_size="20KB")
+    names = sorted(path.name for path in target.glob("model*"))
+    assert "model.v2.safetensors" not in names and "model.safetensors.index.v2.json" in names, names
+    loaded = load_patched(target, variant="v2", attn_implementation="eager").eval()
+    ids = random_ids(LENGTH)
+    assert torch.equal(loaded.model.embed_tokens.weight, second.model.embed_tokens.weight)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(second, ids), rtol=0, atol=2e-5)
 
 
 def test_saving_another_patch_over_a_save_replaces_its_card_and_tokenizer_limit(tmp_path, caplog):
